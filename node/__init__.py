@@ -1,0 +1,1 @@
+"""The islands-node daemon, its command line and its configuration."""

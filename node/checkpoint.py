@@ -1,0 +1,208 @@
+"""Checkpoints in `<run-dir>/checkpoint/`, written atomically and checked on load.
+
+Layout: `global.safetensors` (every fragment's agreed parameters, named as in
+the model's state dict), `local.safetensors` (the model being trained),
+`outer.safetensors` (outer Nesterov momentum, same names), `inner_opt.pt`
+(the inner optimizer's state dict) and `state.json` (step, manifest,
+per-fragment counters, totals, and the size and SHA-256 of every other file).
+
+A save writes a complete new folder `checkpoint.new/`, then swaps it in with
+two renames; a crash at any point leaves a complete old or new checkpoint,
+which `load` finds. A checkpoint that is truncated, altered or of another run
+is reported (CheckpointError) and left as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import io
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from islands.protocols.manifest import describe_differences, manifest_differences
+
+FORMAT = 1
+TENSOR_FILES = ("global.safetensors", "local.safetensors", "outer.safetensors")
+OPT_FILE = "inner_opt.pt"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message says why and where."""
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    manifest: dict
+    global_state: dict[str, torch.Tensor]
+    local_state: dict[str, torch.Tensor]
+    outer_state: dict[str, torch.Tensor]
+    inner_opt_state: dict
+    fragments: list[dict]
+    totals: dict[str, Any]
+    inner_opt: str
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoint"
+
+
+def _fsync_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: str | os.PathLike, ckpt: Checkpoint) -> Path:
+    final = checkpoint_dir(run_dir)
+    new, old = final.with_name("checkpoint.new"), final.with_name("checkpoint.old")
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir(parents=True, mode=0o700)
+    blobs = {
+        "global.safetensors": st_save(_contiguous(ckpt.global_state)),
+        "local.safetensors": st_save(_contiguous(ckpt.local_state)),
+        "outer.safetensors": st_save(_contiguous(ckpt.outer_state)),
+    }
+    buf = io.BytesIO()
+    torch.save(ckpt.inner_opt_state, buf)
+    blobs[OPT_FILE] = buf.getvalue()
+    for name, data in blobs.items():
+        _fsync_write(new / name, data)
+    state = {
+        "format": FORMAT,
+        "step": ckpt.step,
+        "manifest": ckpt.manifest,
+        "inner_opt": ckpt.inner_opt,
+        "fragments": ckpt.fragments,
+        "totals": ckpt.totals,
+        "files": {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in blobs.items()},
+    }
+    _fsync_write(new / "state.json", json.dumps(state, indent=1).encode())
+    _fsync_dir(new)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    new.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _contiguous(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def recover(run_dir: str | os.PathLike) -> None:
+    """Finish a swap that a crash interrupted: a complete new or old folder becomes `checkpoint/`."""
+    final = checkpoint_dir(run_dir)
+    if final.exists():
+        return
+    for candidate in (final.with_name("checkpoint.new"), final.with_name("checkpoint.old")):
+        if (candidate / "state.json").exists():
+            try:
+                _read_state(candidate)
+            except CheckpointError:
+                continue
+            candidate.rename(final)
+            return
+
+
+def _read_state(folder: Path) -> dict:
+    where = str(folder)
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {where} has no state.json (incomplete or not a checkpoint)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {where}: state.json is truncated or corrupt ({e})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {where} is not a compute-islands checkpoint of format {FORMAT}")
+    for key in ("step", "manifest", "fragments", "files", "totals", "inner_opt"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {where}: state.json lacks {key!r}")
+    for name in (*TENSOR_FILES, OPT_FILE):
+        info = state["files"].get(name)
+        path = folder / name
+        if info is None or not path.exists():
+            raise CheckpointError(f"checkpoint {where} lacks {name}")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {where}: {name} is truncated ({path.stat().st_size} of {info['bytes']} bytes)"
+            )
+    return state
+
+
+SAFE_GLOBAL_PREFIX = "pytorch_optimizer."
+
+
+def _load_optimizer_state(data: bytes) -> dict:
+    """torch.load with weights_only, allowing the plain state classes of pytorch-optimizer's Shampoo."""
+    allowed = []
+    for qualname in torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)):
+        if not qualname.startswith(SAFE_GLOBAL_PREFIX):
+            raise CheckpointError(f"{OPT_FILE} refers to {qualname}, which is not optimizer state")
+        module, _, name = qualname.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), name))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint | None:
+    """The run dir's checkpoint, or None if it has none; CheckpointError if it is unusable or foreign."""
+    recover(run_dir)
+    folder = checkpoint_dir(run_dir)
+    if not folder.exists():
+        return None
+    state = _read_state(folder)
+    diffs = manifest_differences(dict(manifest), state["manifest"])
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {folder} belongs to another run or configuration ("
+            + describe_differences(diffs, mine="this node", theirs="the checkpoint")
+            + "); use another --run-dir or the checkpoint's settings"
+        )
+    blobs = {}
+    for name in (*TENSOR_FILES, OPT_FILE):
+        data = (folder / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != state["files"][name]["sha256"]:
+            raise CheckpointError(f"checkpoint {folder}: {name} is corrupt (checksum mismatch)")
+        blobs[name] = data
+    try:
+        tensors = {name: st_load(blobs[name]) for name in TENSOR_FILES}
+        opt_state = _load_optimizer_state(blobs[OPT_FILE])
+    except Exception as e:  # a file that passed its checksum but does not parse
+        raise CheckpointError(f"checkpoint {folder} cannot be read: {e}") from None
+    return Checkpoint(
+        step=int(state["step"]),
+        manifest=state["manifest"],
+        global_state=tensors["global.safetensors"],
+        local_state=tensors["local.safetensors"],
+        outer_state=tensors["outer.safetensors"],
+        inner_opt_state=opt_state,
+        fragments=state["fragments"],
+        totals=state["totals"],
+        inner_opt=state["inner_opt"],
+    )

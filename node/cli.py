@@ -1,0 +1,122 @@
+"""`islands-node`: the command line. Only this module reads argv, the environment and signals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from .config import ConfigError, add_arguments, build_config
+
+PROG = "islands-node"
+SUBCOMMANDS = ("run", "check-config")
+
+DESCRIPTION = """\
+Train one model across compute islands with Streaming DiLoCo.
+
+With no --join, starts a new swarm and trains; with --join MADDR, joins one.
+Options may also come from a TOML file (--config FILE, keys as the long options
+with _ for -) and from ISLANDS_* environment variables (ISLANDS_WINDOW=20);
+precedence: defaults < file < environment < command line.
+
+subcommands:
+  islands-node [run] [options]       run a node (the default)
+  islands-node check-config FILE     validate a TOML config without starting
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line and exit status 2, never a usage dump or a traceback."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    add_arguments(parser)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    environ = dict(os.environ if environ is None else environ)
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
+    if command == "check-config":
+        return _check_config(argv, environ)
+    parser = _run_parser()
+    args = vars(parser.parse_args(argv))
+    verbose = args.pop("verbose")
+    try:
+        cfg = build_config(args, environ)
+    except ConfigError as e:
+        return _fail(str(e))
+    _setup_logging(verbose)
+    return _run_node(cfg)
+
+
+def _check_config(argv: list[str], environ: dict) -> int:
+    parser = _Parser(prog=f"{PROG} check-config", description="Validate a TOML config file (with the ISLANDS_* environment) without starting a node.")
+    parser.add_argument("file", help="the TOML file")
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config({"config": args.file}, environ)
+    except ConfigError as e:
+        return _fail(str(e))
+    print(f"{args.file}: ok ({cfg.train.model} model, window {cfg.diloco.window}, {cfg.diloco.fragments} fragments, overlap {cfg.diloco.tau})")
+    return 0
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _run_node(cfg) -> int:
+    from .daemon import Island, Shutdown, StartupError
+
+    async def serve() -> int:
+        shutdown = Shutdown()
+        loop = asyncio.get_running_loop()
+        signals_seen = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            signals_seen.append(sig)
+            if len(signals_seen) > 1:  # a second signal: stop now (the last checkpoint is intact)
+                os._exit(128 + sig)
+            shutdown.request(f"signal {sig.name}")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        island = Island(cfg)
+        return await island.run(shutdown)
+
+    try:
+        return _event_loop_run(serve)
+    except StartupError as e:
+        return _fail(str(e))
+
+
+def _event_loop_run(coro_fn) -> int:
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it installs
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro_fn())
+
+
+def entry() -> None:
+    sys.exit(main())

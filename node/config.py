@@ -1,0 +1,354 @@
+"""Configuration: one strict dataclass per component, and one mapping onto CLI, TOML and environment.
+
+Every option is a field of exactly one component dataclass; its default,
+type and help live there and nowhere else. Precedence: defaults < TOML file
+(`--config`) < `ISLANDS_*` environment variables < command line. Option names
+are flat and unique across components (`--window`, TOML `window = 20`,
+`ISLANDS_WINDOW=20`); unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from islands.models.data import DataConfig
+from islands.models.transformer import MODEL_SIZES, ModelConfig, model_config
+from islands.protocols.diloco import DiLoCoConfig
+
+ENV_PREFIX = "ISLANDS_"
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+InnerOpt = Literal["adamw", "shampoo"]
+Role = Literal["island", "satellite"]
+ProgressMode = Literal["auto", "bar", "lines", "off"]
+
+DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = _opt("tiny", f"model size: {', '.join(MODEL_SIZES)}")
+    dense: bool = _opt(False, "dense feed-forward layers instead of 32 experts with top-1 routing")
+    steps: int = _opt(1000, "train until this inner step (a resumed run continues up to it)")
+    batch_size: int = _opt(8, "sequences per inner step")
+    seq_len: int = _opt(128, "bytes per sequence")
+    inner_opt: InnerOpt = _opt("adamw", "inner optimizer: adamw, or shampoo (pytorch-optimizer's ScalableShampoo)")
+    lr: float | None = _opt(None, "inner learning rate (default 3e-3)")
+    warmup_steps: int = _opt(20, "linear learning-rate warm-up, in inner steps")
+    weight_decay: float = _opt(0.01, "inner decoupled weight decay")
+    grad_clip: float = _opt(1.0, "clip the gradient norm to this (0 disables)")
+    eval_every: int = _opt(0, "evaluate on held-out data every N steps (0: at the end only)")
+    torch_threads: int = _opt(1, "torch intra-op CPU threads (0: torch's default); on CPU, one thread per island is fastest here unless the model is large")
+
+    def __post_init__(self):
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"model must be one of {', '.join(MODEL_SIZES)}, got {self.model!r}")
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "torch_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.inner_opt] if self.lr is None else self.lr
+
+    def model_config(self) -> ModelConfig:
+        return model_config(self.model, dense=self.dense)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NetConfig:
+    join: list[str] = _opt([], "multiaddress of a peer of the swarm to join (repeatable); none starts a new swarm", metavar="MADDR")
+    run_id: str = _opt("islands", "the run's name in the DHT; every island of a run uses the same")
+    listen: list[str] = _opt(["/ip4/0.0.0.0/tcp/0"], "multiaddress to listen on (repeatable)", metavar="MADDR")
+    announce: list[str] = _opt([], "multiaddress others should dial, e.g. a relay in front of this node (repeatable)", metavar="MADDR")
+    identity: str | None = _opt(None, "file holding this node's private key, created if missing (keeps the peer id across restarts)", metavar="PATH")
+    role: Role = _opt("island", "island, or satellite (in contact only at times, see --contact)")
+    contact: str | None = _opt(None, "a satellite's contact windows, e.g. 'up 20s every 60s'", metavar="SPEC")
+    swarm_key: str | None = _opt(None, "file with the shared secret that admits a peer to the swarm", metavar="PATH")
+    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port", metavar="N")
+
+    def __post_init__(self):
+        if not self.run_id or any(c.isspace() or c == ":" for c in self.run_id):
+            raise ValueError(f"run_id must be a non-empty name without spaces or ':', got {self.run_id!r}")
+        if self.role not in typing.get_args(Role):
+            raise ValueError(f"role must be island or satellite, got {self.role!r}")
+        for name in ("join", "listen", "announce"):
+            for maddr in getattr(self, name):
+                if not maddr.startswith("/"):
+                    raise ValueError(f"{name} {maddr!r} is not a multiaddress (like /ip4/127.0.0.1/tcp/4000/p2p/Qm...)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputConfig:
+    run_dir: str = _opt("islands-run", "folder for checkpoints and logs; an existing checkpoint there is resumed", metavar="DIR")
+    log_json: str | None = _opt(None, "event log, one JSON object a line (default: RUN_DIR/events.jsonl)", metavar="PATH")
+    maddr_file: str | None = _opt(None, "write this node's multiaddresses here once it listens", metavar="PATH")
+    checkpoint_every: int | None = _opt(None, "checkpoint every N steps (default: once a window)", metavar="N")
+    progress: ProgressMode = _opt("auto", "auto (a live line on a terminal, log lines otherwise), bar, lines or off")
+
+    def __post_init__(self):
+        if not self.run_dir:
+            raise ValueError("run_dir must not be empty")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.progress not in typing.get_args(ProgressMode):
+            raise ValueError(f"progress must be auto, bar, lines or off, got {self.progress!r}")
+
+    @property
+    def event_log_path(self) -> Path:
+        return Path(self.log_json) if self.log_json else Path(self.run_dir) / "events.jsonl"
+
+
+SECTIONS: dict[str, type] = {
+    "train": TrainConfig,
+    "data": DataConfig,
+    "diloco": DiLoCoConfig,
+    "net": NetConfig,
+    "output": OutputConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
+    net: NetConfig = dataclasses.field(default_factory=NetConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        model = self.train.model_config()
+        if self.diloco.fragments > model.n_layer:
+            raise ValueError(
+                f"fragments {self.diloco.fragments} exceeds the {model.n_layer} blocks of model "
+                f"{self.train.model!r}: use --fragments {model.n_layer} or fewer"
+            )
+        if self.train.seq_len > model.max_seq_len:
+            raise ValueError(f"seq_len {self.train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        if self.net.role == "satellite" and not self.net.contact:
+            raise ValueError("a satellite needs --contact, e.g. 'up 20s every 60s'")
+
+    def flat(self) -> dict[str, Any]:
+        """Every option by its flat name, as the event log's `config` shows it."""
+        return {f.name: getattr(getattr(self, s), f.name) for s, f in _all_fields()}
+
+
+# --- the mapping -------------------------------------------------------------
+
+
+def _all_fields() -> list[tuple[str, dataclasses.Field]]:
+    return [(section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+    metavar: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def base(self) -> Any:
+        """The type without `| None`."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        if typing.get_origin(self.type) in (typing.Union, types.UnionType) and len(args) == 1:
+            return args[0]
+        return self.type
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.type)
+
+    @property
+    def is_list(self) -> bool:
+        return typing.get_origin(self.base) is list
+
+    @property
+    def choices(self) -> tuple | None:
+        return typing.get_args(self.base) if typing.get_origin(self.base) is Literal else None
+
+
+def options() -> dict[str, Option]:
+    out: dict[str, Option] = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in out:
+                raise RuntimeError(f"option {f.name!r} is defined by two components")
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[f.name] = Option(section, f.name, hints[f.name], default, f.metadata.get("help", ""), f.metadata.get("metavar"))
+    return out
+
+
+class ConfigError(ValueError):
+    """A bad option value, file or combination; the message names the option."""
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def coerce(opt: Option, value: Any, source: str) -> Any:
+    """`value` (a string from the CLI or environment, or a TOML value) as the option's type."""
+    where = f"{source} {opt.name}"
+    if value is None or (isinstance(value, str) and opt.optional and value.lower() in ("", "none")):
+        if opt.optional:
+            return None
+        raise ConfigError(f"{where}: a value is required")
+    base = opt.base
+    if opt.is_list:
+        items = value if isinstance(value, list) else [v for v in str(value).replace(",", " ").split() if v]
+        if not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return list(items)
+    if opt.choices is not None:
+        if value not in opt.choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(str, opt.choices))}, got {value!r}")
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value), 0)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if base is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled option type {opt.type!r}")
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    known = options()
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        # [section] tables are accepted too, as long as each key sits in its own component
+        if isinstance(value, dict) and key in SECTIONS:
+            for sub, v in value.items():
+                opt = known.get(sub)
+                if opt is None or opt.section != key:
+                    raise ConfigError(f"config file {str(path)!r}: unknown key {key}.{sub!r}")
+                values[sub] = coerce(opt, v, f"config file {str(path)!r}:")
+            continue
+        if key not in known:
+            raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}")
+        values[key] = coerce(known[key], value, f"config file {str(path)!r}:")
+    return values
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    known = {opt.env: opt for opt in options().values()}
+    values = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        if key not in known:
+            raise ConfigError(f"environment variable {key} is not an option of islands-node")
+        values[known[key].name] = coerce(known[key], value, f"environment {key}:")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option, grouped by component, with no defaults (so that given ones are known)."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of options (keys as the long options, with _ for -)")
+    groups = {s: parser.add_argument_group(f"{s} options") for s in SECTIONS}
+    for opt in options().values():
+        group = groups[opt.section]
+        shown = f" (default: {opt.default})" if opt.default not in (None, [], "") else ""
+        kw: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS, "help": opt.help + shown}
+        if opt.base is bool:
+            group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **kw)
+        elif opt.is_list:
+            group.add_argument(opt.flag, action="append", metavar=opt.metavar or "VALUE", **kw)
+        else:
+            group.add_argument(opt.flag, metavar=opt.metavar or (opt.name.upper() if opt.choices is None else None), choices=opt.choices, **kw)
+
+
+def build_config(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Config:
+    """Merge defaults < TOML < environment < CLI into a validated Config; ConfigError on any bad input."""
+    environ = os.environ if environ is None else environ
+    known = options()
+    values: dict[str, Any] = {}
+    config_file = cli.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        values.update(read_toml(config_file))
+    values.update(read_env(environ))
+    for name, raw in cli.items():
+        if name == "config":
+            continue
+        values[name] = coerce(known[name], raw, "option")
+    return config_from_values(values)
+
+
+def config_from_values(values: Mapping[str, Any]) -> Config:
+    known = options()
+    by_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, value in values.items():
+        by_section[known[name].section][name] = value
+    try:
+        parts = {s: SECTIONS[s](**kw) for s, kw in by_section.items()}
+        return Config(**parts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,253 @@
+"""The island daemon: builds the parts, runs the training loop, syncs fragments, checkpoints.
+
+`run(cfg, shutdown)` is the whole node; it reads no signals and no
+environment (the CLI does, and passes the shutdown trigger in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from islands.models.data import load_corpus
+from islands.models.transformer import Transformer
+from islands.protocols.diloco import StreamingDiLoCo
+from islands.protocols.fragments import layout_digest, split_fragments
+from islands.protocols.manifest import build_manifest
+
+from . import checkpoint as ckpt_io
+from .config import Config
+from .events import EventLog, rotate
+from .progress import Progress
+from .sync import FragmentSync, SoloAverager
+from .trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+ROUND_TIMEOUT_S = 60.0
+OUTCOMES = ("ok", "solo", "failed", "skipped_no_contact", "rejected")
+
+
+class StartupError(Exception):
+    """Bad input found before training starts (exit status 2); nothing was written."""
+
+
+class Shutdown:
+    """The trigger that stops a node, with the reason it is logged under."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+def build_model(cfg: Config) -> tuple[Transformer, list[list[str]], dict]:
+    """The model at the run's initialisation, its fragment layout, and the run manifest."""
+    model_cfg = cfg.train.model_config()
+    torch.manual_seed(cfg.diloco.seed)
+    model = Transformer(model_cfg)
+    layout = split_fragments(model.layer_groups(), cfg.diloco.fragments)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    manifest = build_manifest(cfg.net.run_id, model_cfg.to_dict(), cfg.diloco.manifest_fields(), layout_digest(layout, shapes))
+    return model, layout, manifest
+
+
+def _new_totals() -> dict:
+    return {
+        "tokens": 0,
+        "compute_seconds": 0.0,
+        "wall_seconds": 0.0,
+        "bytes_sent": 0,
+        "bytes_recv": 0,
+        "final_loss": None,
+        **{f"syncs_{o}": 0 for o in OUTCOMES},
+    }
+
+
+class Island:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output.run_dir)
+        self.model, self.layout, self.manifest = build_model(cfg)
+        try:
+            self.resume = ckpt_io.load(self.run_dir, self.manifest)
+        except ckpt_io.CheckpointError as e:
+            raise StartupError(str(e)) from None
+        if self.resume is not None and self.resume.inner_opt != cfg.train.inner_opt:
+            raise StartupError(
+                f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} was trained with --inner-opt "
+                f"{self.resume.inner_opt}, not {cfg.train.inner_opt}; use the same or another --run-dir"
+            )
+        self.peer_id: str | None = None
+        self.maddrs: list[str] = []
+
+    async def run(self, shutdown: Shutdown) -> int:
+        cfg = self.cfg
+        wall_mark = time.monotonic()
+        # one thread runs all torch work: torch keeps its thread pool per calling thread
+        threads = cfg.train.torch_threads or torch.get_num_threads()
+        torch.set_num_threads(threads)
+        torch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch", initializer=torch.set_num_threads, initargs=(threads,))
+        loop = asyncio.get_running_loop()
+
+        def in_torch_thread(fn, *args):
+            return loop.run_in_executor(torch_thread, fn, *args)
+
+        try:
+            corpus = await in_torch_thread(load_corpus, cfg.data, cfg.train.seq_len)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        shard_index = max(0, cfg.data.shard)
+        trainer = Trainer(cfg.train, self.model, corpus.shard(shard_index), corpus, data_seed=cfg.diloco.seed * 7919 + shard_index, eval_batches=cfg.data.eval_batches)
+        params = dict(self.model.named_parameters())
+        diloco = StreamingDiLoCo(cfg.diloco, self.layout, params)
+        totals = _new_totals()
+        start_step = 0
+        if self.resume is not None:
+            r = self.resume
+            try:
+                self.model.load_state_dict(r.local_state)
+                trainer.optimizer.load_state_dict(r.inner_opt_state)
+                diloco.load(r.global_state, r.outer_state, r.fragments)
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
+            totals.update(r.totals)
+            start_step = r.step
+            self.resume = None
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = cfg.output.event_log_path
+        rotate(log_path)
+        events = EventLog(log_path)
+        label = f"island {self.peer_id[:8] if self.peer_id else 'solo'}"
+        progress = Progress(cfg.output.progress, label, cfg.train.steps)
+        events.emit("started", peer_id=self.peer_id, maddrs=self.maddrs, run_id=cfg.net.run_id, role=cfg.net.role, config=cfg.flat(), manifest=self.manifest, resumed_step=start_step, version=VERSION)
+        if start_step:
+            progress.note(f"resumed from {ckpt_io.checkpoint_dir(self.run_dir)} at step {start_step}")
+
+        def on_sync(record: dict) -> None:
+            totals[f"syncs_{record['outcome']}"] += 1
+            totals["bytes_sent"] += record["bytes_sent"]
+            totals["bytes_recv"] += record["bytes_recv"]
+            events.emit("sync", **record)
+
+        sync = FragmentSync(diloco, SoloAverager(), params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread)
+        checkpoint_every = cfg.output.checkpoint_every or cfg.diloco.window
+        last_checkpoint = start_step
+        recent_losses: deque[float] = deque(maxlen=10)
+        recent_rate: deque[tuple[float, int]] = deque(maxlen=20)
+        step = start_step
+
+        def save() -> Path:
+            nonlocal wall_mark
+            now = time.monotonic()
+            totals["wall_seconds"] += now - wall_mark
+            wall_mark = now
+            if recent_losses:
+                totals["final_loss"] = sum(recent_losses) / len(recent_losses)
+            return ckpt_io.save(
+                self.run_dir,
+                ckpt_io.Checkpoint(
+                    step=step,
+                    manifest=self.manifest,
+                    global_state=diloco.global_state(),
+                    local_state=self.model.state_dict(),
+                    outer_state=diloco.momentum_state(),
+                    inner_opt_state=trainer.optimizer.state_dict(),
+                    fragments=diloco.counters_state(),
+                    totals=totals,
+                    inner_opt=cfg.train.inner_opt,
+                ),
+            )
+
+        reason = "completed"
+        path = None
+        try:
+            while step < cfg.train.steps:
+                if shutdown.is_set():
+                    reason = shutdown.reason or "shutdown"
+                    break
+                stats = await in_torch_thread(trainer.step, step + 1)
+                step += 1
+                totals["tokens"] += stats.tokens
+                totals["compute_seconds"] += stats.seconds
+                recent_losses.append(stats.loss)
+                recent_rate.append((time.monotonic(), stats.tokens))
+                events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
+                await sync.after_step(step, stats.tokens)
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
+                if sync.quiet and step - last_checkpoint >= checkpoint_every:
+                    save()
+                    last_checkpoint = step
+                frag, at = sync.next_sync(step)
+                progress.update(step, stats.loss, _rate(recent_rate), f"f{frag}@{at}")
+            if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
+                reason = shutdown.reason or "shutdown"
+            await sync.flush(step)
+            path = save()
+            eval_loss = await in_torch_thread(trainer.evaluate)
+            global_eval_loss = await in_torch_thread(self._evaluate_global, trainer, diloco)
+            events.emit("eval", step=step, eval_loss=eval_loss, global_eval_loss=global_eval_loss)
+        finally:
+            progress.close()
+            torch_thread.shutdown(wait=False)
+        events.emit("stopped", reason=reason, step=step)
+        summary = events.emit(
+            "summary",
+            steps=step,
+            final_loss=totals["final_loss"],
+            eval_loss=eval_loss,
+            global_eval_loss=global_eval_loss,
+            tokens=totals["tokens"],
+            compute_seconds=round(totals["compute_seconds"], 3),
+            wall_seconds=round(totals["wall_seconds"], 3),
+            bytes_sent=totals["bytes_sent"],
+            bytes_recv=totals["bytes_recv"],
+            **{f"syncs_{o}": totals[f"syncs_{o}"] for o in OUTCOMES},
+            checkpoint=str(path),
+        )
+        events.close()
+        progress.note(
+            f"{reason} at step {step}: loss {_fmt(summary['final_loss'])}, eval_loss {_fmt(eval_loss)}, "
+            f"{totals['tokens']} tokens, syncs ok/solo/failed {totals['syncs_ok']}/{totals['syncs_solo']}/{totals['syncs_failed']}; checkpoint {path}"
+        )
+        return 0
+
+    def _evaluate_global(self, trainer: Trainer, diloco: StreamingDiLoCo) -> float:
+        """eval_loss of the agreed model: the fragments' global values in place of the local ones."""
+        local = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in diloco.global_state().items():
+                params[n].copy_(t)
+            try:
+                return trainer.evaluate()
+            finally:
+                for n, t in local.items():
+                    params[n].copy_(t)
+
+
+def _rate(recent: deque[tuple[float, int]]) -> float:
+    if len(recent) < 2:
+        return 0.0
+    span = recent[-1][0] - recent[0][0]
+    return sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

@@ -1,0 +1,69 @@
+"""The JSON-lines event log (`--log-json`): one object a line, each with `t` and `event`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def rotate(path: Path) -> Path | None:
+    """Move a non-empty log aside as PATH.1, PATH.2, ... so that this run's log starts fresh."""
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    target = path.with_name(f"{path.name}.{n}")
+    path.rename(target)
+    return target
+
+
+class EventLog:
+    """Appends events, flushed line by line so a crash loses at most the line being written."""
+
+    def __init__(self, path: str | os.PathLike | None, clock=time.time):
+        self._clock = clock
+        self._file = None
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        record = {"t": round(self._clock(), 6), "event": event, **_clean(fields)}
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """All complete events of a log (a torn last line is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

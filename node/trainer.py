@@ -1,0 +1,96 @@
+"""The island's plain training loop parts: model, inner optimizer, one step, evaluation.
+
+Nothing here knows of fragments or peers; Streaming DiLoCo attaches from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+from islands.models.data import Corpus, Split
+from islands.models.transformer import Transformer
+
+from .config import TrainConfig
+
+# the same held-out batches on every island, whatever its own batch size
+EVAL_SEED, EVAL_BATCH_SIZE = 12345, 8
+
+
+def make_inner_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if cfg.inner_opt == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+    if cfg.inner_opt == "shampoo":
+        # ScalableShampoo is the "Distributed Shampoo" of Anil et al.; AdaGrad grafting
+        # sets the step size, so the same learning rate as AdamW trains stably here.
+        from pytorch_optimizer import ScalableShampoo
+
+        return ScalableShampoo(
+            model.parameters(),
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            start_preconditioning_step=10,
+            preconditioning_compute_steps=10,
+            block_size=128,
+            graft_type=2,  # LayerWiseGrafting.ADAGRAD
+        )
+    raise ValueError(f"unknown inner optimizer {cfg.inner_opt!r}")
+
+
+def lr_multiplier(step: int, warmup_steps: int) -> float:
+    """Linear warm-up to 1, then constant (DiLoCo's inner schedule)."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, step / warmup_steps)
+
+
+@dataclasses.dataclass
+class StepStats:
+    loss: float
+    aux_loss: float
+    tokens: int
+    seconds: float
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model: Transformer, shard: Split, corpus: Corpus, data_seed: int, eval_batches: int):
+        self.cfg = cfg
+        self.model = model
+        self.shard = shard
+        self.corpus = corpus
+        self.data_seed = data_seed
+        self.eval_batches = eval_batches
+        self.optimizer = make_inner_optimizer(cfg, model)
+
+    def step(self, step: int) -> StepStats:
+        """One inner step (`step` counts from 1): forward, backward, clip, optimizer."""
+        start = time.perf_counter()
+        cfg, model = self.cfg, self.model
+        model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.learning_rate * lr_multiplier(step, cfg.warmup_steps)
+        x, y = self.shard.batch(self.data_seed, step, cfg.batch_size, cfg.seq_len)
+        _, loss, aux = model(x, y)
+        (loss + model.cfg.aux_loss_coef * aux).backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss.item(), aux.item(), x.numel(), time.perf_counter() - start)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-byte cross-entropy on the held-out split (fixed batches)."""
+        self.model.eval()
+        losses = []
+        for i in range(self.eval_batches):
+            x, y = self.corpus.eval.batch(seed=EVAL_SEED, key=i, batch_size=EVAL_BATCH_SIZE, seq_len=self.cfg.seq_len)
+            _, loss, _ = self.model(x, y)
+            losses.append(loss.item())
+        value = sum(losses) / len(losses)
+        return value if math.isfinite(value) else float("nan")

@@ -1,0 +1,158 @@
+"""Streaming DiLoCo state of one island: agreed fragments, outer momentum, token counters.
+
+No clocks, no sockets: the node decides when to call `contribution` and
+`apply` (by the schedule), and how the contributions are averaged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from . import PROTOCOL_VERSION
+from .outer import mix, nesterov_outer_step, pseudo_gradient, token_weight
+from .schedule import check_schedule, default_overlap, fragment_offset
+
+Compression = Literal["none", "fp16", "int8"]
+Outcome = Literal["ok", "solo", "failed", "skipped_no_contact", "rejected"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    window: int = dataclasses.field(default=50, metadata={"help": "H: inner steps per window; each fragment syncs once a window"})
+    fragments: int = dataclasses.field(default=4, metadata={"help": "P: strided fragments the model is cut into (at most its blocks)"})
+    overlap: int | None = dataclasses.field(
+        default=None, metadata={"help": "tau: steps between a round's start and its application, below H/P (default 5, lowered to fit)"}
+    )
+    alpha: float = dataclasses.field(default=0.5, metadata={"help": "mixing: local <- alpha*local + (1-alpha)*global (0 replaces)"})
+    outer_lr: float = dataclasses.field(default=0.7, metadata={"help": "outer Nesterov SGD learning rate"})
+    outer_momentum: float = dataclasses.field(default=0.9, metadata={"help": "outer Nesterov SGD momentum"})
+    compression: Compression = dataclasses.field(default="none", metadata={"help": "pseudo-gradients on the wire"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "initialisation seed, shared by the whole run"})
+
+    def __post_init__(self):
+        check_schedule(self.window, self.fragments, self.tau)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.outer_lr <= 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in ("none", "fp16", "int8"):
+            raise ValueError(f"compression must be none, fp16 or int8, got {self.compression!r}")
+
+    @property
+    def tau(self) -> int:
+        return default_overlap(self.window, self.fragments) if self.overlap is None else self.overlap
+
+    def manifest_fields(self) -> dict:
+        """The hyper-parameters every island of a run must share."""
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "window": self.window,
+            "fragments": self.fragments,
+            "overlap": self.tau,
+            "alpha": self.alpha,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "seed": self.seed,
+        }
+
+
+@dataclasses.dataclass
+class Contribution:
+    """What an island brings to one round of one fragment."""
+
+    fragment: int
+    round: int
+    step: int
+    delta: dict[str, torch.Tensor]
+    weight: float
+
+
+@dataclasses.dataclass
+class RoundResult:
+    """What came back from averaging one contribution."""
+
+    outcome: Outcome
+    delta: dict[str, torch.Tensor]
+    group_size: int = 1
+    weight: float = 0.0
+    """Total weight of the group (the island's own weight when alone)."""
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+    staleness: int = 0
+
+
+@dataclasses.dataclass
+class FragmentCounters:
+    round: int = 0
+    """The last round applied to this fragment."""
+    tokens_since_sync: int = 0
+    syncs: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class StreamingDiLoCo:
+    """Agreed values and outer state of every fragment of one island."""
+
+    def __init__(self, cfg: DiLoCoConfig, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor]):
+        if len(layout) != cfg.fragments:
+            raise ValueError(f"layout has {len(layout)} fragments, config {cfg.fragments}")
+        self.cfg = cfg
+        self.layout = [list(names) for names in layout]
+        self.globals = [
+            {n: params[n].detach().to("cpu", torch.float32).clone() for n in names} for names in self.layout
+        ]
+        self.momentum = [{n: torch.zeros_like(t) for n, t in g.items()} for g in self.globals]
+        self.counters = [FragmentCounters() for _ in self.layout]
+
+    def offset(self, fragment: int) -> int:
+        return fragment_offset(fragment, self.cfg.window, self.cfg.fragments)
+
+    def add_tokens(self, tokens: int) -> None:
+        for c in self.counters:
+            c.tokens_since_sync += tokens
+
+    def contribution(self, fragment: int, round_: int, step: int, params: Mapping[str, torch.Tensor]) -> Contribution:
+        """Snapshot delta_p = global_p - local_p with its token weight, and restart the count."""
+        g = self.globals[fragment]
+        delta = {n: pseudo_gradient(g[n], params[n]) for n in self.layout[fragment]}
+        counters = self.counters[fragment]
+        weight = token_weight(counters.tokens_since_sync)
+        counters.tokens_since_sync = 0
+        return Contribution(fragment=fragment, round=round_, step=step, delta=delta, weight=weight)
+
+    def apply(self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+        """Outer step on global_p with the averaged delta, then mix local_p towards it (in place)."""
+        cfg, g, m = self.cfg, self.globals[fragment], self.momentum[fragment]
+        for n in self.layout[fragment]:
+            g[n], m[n] = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
+            with torch.no_grad():
+                params[n].copy_(mix(params[n], g[n], cfg.alpha))
+        self.counters[fragment].round = round_
+
+    def count(self, fragment: int, outcome: str) -> None:
+        syncs = self.counters[fragment].syncs
+        syncs[outcome] = syncs.get(outcome, 0) + 1
+
+    # --- checkpoint form ----------------------------------------------------
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return {n: t for g in self.globals for n, t in g.items()}
+
+    def momentum_state(self) -> dict[str, torch.Tensor]:
+        return {n: t for m in self.momentum for n, t in m.items()}
+
+    def counters_state(self) -> list[dict]:
+        return [dataclasses.asdict(c) for c in self.counters]
+
+    def load(self, global_state: Mapping[str, torch.Tensor], momentum_state: Mapping[str, torch.Tensor], counters: Sequence[dict]) -> None:
+        for p, names in enumerate(self.layout):
+            for n in names:
+                self.globals[p][n] = global_state[n].to(torch.float32).clone()
+                self.momentum[p][n] = momentum_state[n].to(torch.float32).clone()
+        self.counters = [FragmentCounters(**c) for c in counters]

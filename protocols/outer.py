@@ -1,0 +1,49 @@
+"""The outer step of DiLoCo, on plain tensors: pseudo-gradient, weighting, Nesterov, mixing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def pseudo_gradient(global_: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """delta = global - local, in fp32 on global's device."""
+    return global_ - local.detach().to(global_.device, torch.float32)
+
+
+def token_weight(tokens_since_sync: int) -> float:
+    """A contribution counts as much as the tokens it was trained on."""
+    return float(max(0, tokens_since_sync))
+
+
+def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i * delta_i / sum_i w_i; the plain mean when all weights are zero."""
+    if not deltas:
+        raise ValueError("nothing to average")
+    total = float(sum(weights))
+    if total <= 0:
+        return torch.stack(list(deltas)).mean(0)
+    out = torch.zeros_like(deltas[0])
+    for delta, w in zip(deltas, weights, strict=True):
+        out.add_(delta, alpha=w / total)
+    return out
+
+
+def nesterov_outer_step(
+    global_: torch.Tensor, avg_delta: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGD with Nesterov momentum on the pseudo-gradient, as torch.optim.SGD(nesterov=True).
+
+    m' = mu * m + delta;  global' = global - lr * (delta + mu * m').
+    Returns (global', m') as new tensors.
+    """
+    new_momentum = momentum * mu + avg_delta
+    new_global = global_ - lr * (avg_delta + mu * new_momentum)
+    return new_global, new_momentum
+
+
+def mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * local + (1 - alpha) * global, in local's dtype and device (alpha = 0 replaces)."""
+    g = global_.to(local.device, torch.float32)
+    return (alpha * local.detach().float() + (1.0 - alpha) * g).to(local.dtype)

@@ -1,0 +1,58 @@
+"""Fragment schedule: pure functions of the step, the window H, P fragments and overlap tau."""
+
+from __future__ import annotations
+
+import math
+
+
+def default_overlap(window: int, num_fragments: int, preferred: int = 5) -> int:
+    """The preferred overlap, lowered to the largest integer below H/P for short windows."""
+    return max(0, min(preferred, math.ceil(window / num_fragments) - 1))
+
+
+def check_schedule(window: int, num_fragments: int, overlap: int) -> None:
+    """Raise ValueError, naming the option, unless H, P and tau make a valid schedule."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if num_fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {num_fragments}")
+    if num_fragments > window:
+        raise ValueError(
+            f"window {window} cannot be divided into {num_fragments} fragments: "
+            f"need window >= fragments"
+        )
+    if overlap < 0:
+        raise ValueError(f"overlap must be >= 0, got {overlap}")
+    if overlap * num_fragments >= window:
+        raise ValueError(
+            f"overlap {overlap} must be below window/fragments = {window / num_fragments:g}"
+        )
+
+
+def fragment_offset(fragment: int, window: int, num_fragments: int) -> int:
+    """o_p = floor(p * H / P)."""
+    return fragment * window // num_fragments
+
+
+def fragment_offsets(window: int, num_fragments: int) -> list[int]:
+    return [fragment_offset(p, window, num_fragments) for p in range(num_fragments)]
+
+
+def round_number(step: int, window: int) -> int:
+    """The round that a fragment's sync at `step` belongs to (round r starts in window r)."""
+    return step // window
+
+
+def fragments_starting(step: int, window: int, num_fragments: int) -> list[int]:
+    """Fragments whose round starts at this step: step % H == o_p and step >= H."""
+    if step < window:
+        return []
+    phase = step % window
+    return [p for p in range(num_fragments) if fragment_offset(p, window, num_fragments) == phase]
+
+
+def next_sync_step(step: int, fragment: int, window: int, num_fragments: int) -> int:
+    """The first step after `step` at which `fragment` starts a round."""
+    offset = fragment_offset(fragment, window, num_fragments)
+    r = max(1, (step - offset) // window + 1)
+    return r * window + offset
