@@ -55,7 +55,10 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
     if command == "check-config":
         return _check_config(argv, environ)
     parser = _run_parser()
-    args = vars(parser.parse_args(argv))
+    try:
+        args = vars(parser.parse_args(argv))
+    except SystemExit as e:  # --help, or a bad option (already reported in one line)
+        return int(e.code or 0)
     verbose = args.pop("verbose")
     try:
         cfg = build_config(args, environ)
@@ -68,7 +71,10 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
 def _check_config(argv: list[str], environ: dict) -> int:
     parser = _Parser(prog=f"{PROG} check-config", description="Validate a TOML config file (with the ISLANDS_* environment) without starting a node.")
     parser.add_argument("file", help="the TOML file")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
     try:
         cfg = build_config({"config": args.file}, environ)
     except ConfigError as e:

@@ -1,0 +1,95 @@
+"""Checkpoints: atomic swap, recovery after a crash mid-swap, refusal of truncated or foreign ones."""
+
+import json
+
+import pytest
+import torch
+
+from islands.node import checkpoint as ck
+
+
+def _ckpt(step=5, manifest=None):
+    t = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
+    return ck.Checkpoint(
+        step=step,
+        manifest=manifest or {"run_id": "r", "window": 20},
+        global_state=t,
+        local_state={k: v + 1 for k, v in t.items()},
+        outer_state={k: v * 0 for k, v in t.items()},
+        inner_opt_state={"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        fragments=[{"round": 1, "tokens_since_sync": 10, "syncs": {"solo": 1}}],
+        totals={"tokens": 10},
+        inner_opt="adamw",
+    )
+
+
+def test_round_trip(tmp_path):
+    ck.save(tmp_path, _ckpt())
+    got = ck.load(tmp_path, {"run_id": "r", "window": 20})
+    assert got.step == 5 and torch.equal(got.local_state["a"], torch.arange(4.0) + 1)
+    assert got.inner_opt_state["param_groups"][0]["lr"] == 0.1
+    assert (tmp_path / "checkpoint" / "global.safetensors").stat().st_mode & 0o077 == 0
+
+
+def test_no_checkpoint_is_none(tmp_path):
+    assert ck.load(tmp_path, {}) is None
+
+
+def test_second_save_replaces_first(tmp_path):
+    ck.save(tmp_path, _ckpt(step=5))
+    ck.save(tmp_path, _ckpt(step=9))
+    assert ck.load(tmp_path, {"run_id": "r", "window": 20}).step == 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+@pytest.mark.parametrize("leftover", ["checkpoint.new", "checkpoint.old"])
+def test_crash_between_renames_recovers(tmp_path, leftover):
+    ck.save(tmp_path, _ckpt(step=7))
+    (tmp_path / "checkpoint").rename(tmp_path / leftover)
+    assert ck.load(tmp_path, {"run_id": "r", "window": 20}).step == 7
+
+
+def test_truncated_checkpoint_is_refused_and_left_untouched(tmp_path):
+    ck.save(tmp_path, _ckpt())
+    f = tmp_path / "checkpoint" / "local.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ck.CheckpointError, match="local.safetensors is truncated"):
+        ck.load(tmp_path, {"run_id": "r", "window": 20})
+    assert f.read_bytes() == data[: len(data) // 2]
+
+
+def test_corrupt_state_json(tmp_path):
+    ck.save(tmp_path, _ckpt())
+    (tmp_path / "checkpoint" / "state.json").write_text('{"format": 1, "st')
+    with pytest.raises(ck.CheckpointError, match="state.json is truncated or corrupt"):
+        ck.load(tmp_path, {})
+
+
+def test_altered_bytes_fail_the_checksum(tmp_path):
+    ck.save(tmp_path, _ckpt())
+    f = tmp_path / "checkpoint" / "global.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="checksum"):
+        ck.load(tmp_path, {"run_id": "r", "window": 20})
+
+
+def test_foreign_checkpoint_names_the_field(tmp_path):
+    ck.save(tmp_path, _ckpt())
+    before = (tmp_path / "checkpoint" / "state.json").read_text()
+    with pytest.raises(ck.CheckpointError, match="window: this node has 40, the checkpoint has 20"):
+        ck.load(tmp_path, {"run_id": "r", "window": 40})
+    assert (tmp_path / "checkpoint" / "state.json").read_text() == before
+    assert json.loads(before)["step"] == 5
+
+
+def test_optimizer_state_refuses_foreign_pickles(tmp_path):
+    import argparse
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"x": argparse.Namespace(a=1)}, buf)
+    with pytest.raises(ck.CheckpointError, match="not optimizer state"):
+        ck._load_optimizer_state(buf.getvalue())
