@@ -86,6 +86,8 @@ def _check_config(argv: list[str], environ: dict) -> int:
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # hivemind reports every failed round as an ERROR with a traceback; the event log says it better
+    logging.getLogger("hivemind").setLevel(logging.CRITICAL if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
 
 
 def _run_node(cfg) -> int:
@@ -102,10 +104,13 @@ def _run_node(cfg) -> int:
                 os._exit(128 + sig)
             shutdown.request(f"signal {sig.name}")
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
+        def install_handlers() -> None:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal, sig)
+
+        install_handlers()
         island = Island(cfg)
-        return await island.run(shutdown)
+        return await island.run(shutdown, announce=lambda line: print(line, flush=True), ready=install_handlers)
 
     try:
         return _event_loop_run(serve)

@@ -86,6 +86,9 @@ class NetConfig:
     contact: str | None = _opt(None, "a satellite's contact windows, e.g. 'up 20s every 60s'", metavar="SPEC")
     swarm_key: str | None = _opt(None, "file with the shared secret that admits a peer to the swarm", metavar="PATH")
     metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port", metavar="N")
+    wait_islands: int = _opt(1, "before step 1, wait until this many islands are in the swarm (see --wait-timeout-s)", metavar="N")
+    wait_timeout_s: float = _opt(120.0, "give up waiting for --wait-islands after this long and train anyway", metavar="S")
+    match_wait_s: float = _opt(5.0, "how long a round waits for the other islands before it runs with whoever came", metavar="S")
 
     def __post_init__(self):
         if not self.run_id or any(c.isspace() or c == ":" for c in self.run_id):
@@ -96,6 +99,10 @@ class NetConfig:
             for maddr in getattr(self, name):
                 if not maddr.startswith("/"):
                     raise ValueError(f"{name} {maddr!r} is not a multiaddress (like /ip4/127.0.0.1/tcp/4000/p2p/Qm...)")
+        if self.wait_islands < 1:
+            raise ValueError(f"wait_islands must be >= 1, got {self.wait_islands}")
+        if self.wait_timeout_s < 0 or self.match_wait_s <= 0:
+            raise ValueError("wait_timeout_s must be >= 0 and match_wait_s > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +26,8 @@ from . import checkpoint as ckpt_io
 from .config import Config
 from .events import EventLog, rotate
 from .progress import Progress
-from .sync import FragmentSync, SoloAverager
+from .network import ManifestMismatch, Network, NetworkError, write_maddr_file
+from .sync import FragmentSync
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,9 @@ class Island:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.output.run_dir)
+        # all torch work runs in one thread (see run); fix the thread count before any of it
+        self.threads = cfg.train.torch_threads or torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         self.model, self.layout, self.manifest = build_model(cfg)
         try:
             self.resume = ckpt_io.load(self.run_dir, self.manifest)
@@ -92,16 +97,40 @@ class Island:
                 f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} was trained with --inner-opt "
                 f"{self.resume.inner_opt}, not {cfg.train.inner_opt}; use the same or another --run-dir"
             )
-        self.peer_id: str | None = None
-        self.maddrs: list[str] = []
+        shapes = dict((n, tuple(p.shape)) for n, p in self.model.named_parameters())
+        self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]
 
-    async def run(self, shutdown: Shutdown) -> int:
+    async def run(
+        self, shutdown: Shutdown, announce: Callable[[str], None] = print, ready: Callable[[], None] = lambda: None
+    ) -> int:
+        """Join or start the swarm, train to --steps (or until shutdown), leave cleanly.
+
+        `ready` is called once the network is up (hivemind resets SIGINT as it starts,
+        so that is when the caller should install its signal handlers).
+        """
+        network = Network(self.cfg, self.manifest, self.shapes, VERSION)
+        try:
+            try:
+                await network.start()
+            except (ManifestMismatch, NetworkError) as e:
+                raise StartupError(str(e)) from None
+            ready()
+            maddrs = network.maddrs()
+            if self.cfg.output.maddr_file:
+                write_maddr_file(self.cfg.output.maddr_file, maddrs)
+            join_with = next((m for m in maddrs if "/ip4/127.0.0.1/" not in m), maddrs[0] if maddrs else "")
+            announce(f"islands-node {network.peer_id} listening; join with: islands-node --join {join_with}")
+            return await self._train(shutdown, network)
+        finally:
+            await network.close()
+
+    async def _train(self, shutdown: Shutdown, network: Network) -> int:
         cfg = self.cfg
         wall_mark = time.monotonic()
-        # one thread runs all torch work: torch keeps its thread pool per calling thread
-        threads = cfg.train.torch_threads or torch.get_num_threads()
-        torch.set_num_threads(threads)
-        torch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch", initializer=torch.set_num_threads, initargs=(threads,))
+        # torch keeps a thread pool per calling thread: one thread for all of it avoids contention
+        torch_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="torch", initializer=torch.set_num_threads, initargs=(self.threads,)
+        )
         loop = asyncio.get_running_loop()
 
         def in_torch_thread(fn, *args):
@@ -111,12 +140,35 @@ class Island:
             corpus = await in_torch_thread(load_corpus, cfg.data, cfg.train.seq_len)
         except ValueError as e:
             raise StartupError(str(e)) from None
-        shard_index = max(0, cfg.data.shard)
-        trainer = Trainer(cfg.train, self.model, corpus.shard(shard_index), corpus, data_seed=cfg.diloco.seed * 7919 + shard_index, eval_batches=cfg.data.eval_batches)
         params = dict(self.model.named_parameters())
         diloco = StreamingDiLoCo(cfg.diloco, self.layout, params)
         totals = _new_totals()
         start_step = 0
+        if self.resume is not None:
+            totals.update(self.resume.totals)
+            start_step = self.resume.step
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = cfg.output.event_log_path
+        rotate(log_path)
+        events = EventLog(log_path)
+        progress = Progress(cfg.output.progress, f"island {network.peer_id[-8:]}", cfg.train.steps)
+
+        if cfg.net.wait_islands > 1 and not start_step:
+            seen = await network.wait_for_islands(
+                cfg.net.wait_islands, cfg.net.wait_timeout_s, shutdown.is_set,
+                _Changed(lambda n: progress.note(f"waiting for islands: {n} of {cfg.net.wait_islands} here")),
+            )
+            if seen < cfg.net.wait_islands:
+                progress.note(f"only {seen} of {cfg.net.wait_islands} islands after {cfg.net.wait_timeout_s:g}s; training anyway")
+        shard_index = cfg.data.shard if cfg.data.shard >= 0 else totals.get("shard", -1)
+        if shard_index < 0:
+            shard_index = network.choose_shard()
+        totals["shard"] = shard_index
+        network.status.shard = shard_index
+        network.status.step = start_step
+        network.status.state = "training"
+        trainer = Trainer(cfg.train, self.model, corpus.shard(shard_index), corpus, data_seed=cfg.diloco.seed * 7919 + shard_index, eval_batches=cfg.data.eval_batches)
         if self.resume is not None:
             r = self.resume
             try:
@@ -125,17 +177,13 @@ class Island:
                 diloco.load(r.global_state, r.outer_state, r.fragments)
             except (RuntimeError, KeyError, ValueError) as e:
                 raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
-            totals.update(r.totals)
-            start_step = r.step
             self.resume = None
+        await network.refresh()
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = cfg.output.event_log_path
-        rotate(log_path)
-        events = EventLog(log_path)
-        label = f"island {self.peer_id[:8] if self.peer_id else 'solo'}"
-        progress = Progress(cfg.output.progress, label, cfg.train.steps)
-        events.emit("started", peer_id=self.peer_id, maddrs=self.maddrs, run_id=cfg.net.run_id, role=cfg.net.role, config=cfg.flat(), manifest=self.manifest, resumed_step=start_step, version=VERSION)
+        events.emit(
+            "started", peer_id=network.peer_id, maddrs=network.maddrs(), run_id=cfg.net.run_id, role=cfg.net.role,
+            config=cfg.flat(), manifest=self.manifest, resumed_step=start_step, shard=shard_index, version=VERSION,
+        )
         if start_step:
             progress.note(f"resumed from {ckpt_io.checkpoint_dir(self.run_dir)} at step {start_step}")
 
@@ -143,9 +191,12 @@ class Island:
             totals[f"syncs_{record['outcome']}"] += 1
             totals["bytes_sent"] += record["bytes_sent"]
             totals["bytes_recv"] += record["bytes_recv"]
+            network.status.last_sync[record["fragment"]] = {
+                "step": record["step"], "outcome": record["outcome"], "group_size": record["group_size"],
+            }
             events.emit("sync", **record)
 
-        sync = FragmentSync(diloco, SoloAverager(), params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread)
+        sync = FragmentSync(diloco, network.averaging, params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread)
         checkpoint_every = cfg.output.checkpoint_every or cfg.diloco.window
         last_checkpoint = start_step
         recent_losses: deque[float] = deque(maxlen=10)
@@ -192,14 +243,18 @@ class Island:
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                     events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
                 if sync.quiet and step - last_checkpoint >= checkpoint_every:
-                    save()
+                    await in_torch_thread(save)
                     last_checkpoint = step
                 frag, at = sync.next_sync(step)
-                progress.update(step, stats.loss, _rate(recent_rate), f"f{frag}@{at}")
+                rate = _rate(recent_rate)
+                progress.update(step, stats.loss, rate, f"f{frag}@{at}")
+                network.status.step, network.status.tokens_per_s = step, rate
+                network.status.step_seconds = stats.seconds
+                network.status.next_sync = sync.next_syncs(step)
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
             await sync.flush(step)
-            path = save()
+            path = await in_torch_thread(save)
             eval_loss = await in_torch_thread(trainer.evaluate)
             global_eval_loss = await in_torch_thread(self._evaluate_global, trainer, diloco)
             events.emit("eval", step=step, eval_loss=eval_loss, global_eval_loss=global_eval_loss)
@@ -240,6 +295,18 @@ class Island:
             finally:
                 for n, t in local.items():
                     params[n].copy_(t)
+
+
+class _Changed:
+    """Call `fn(value)` only when the value differs from the last one."""
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, object()
+
+    def __call__(self, value) -> None:
+        if value != self.last:
+            self.last = value
+            self.fn(value)
 
 
 def _rate(recent: deque[tuple[float, int]]) -> float:

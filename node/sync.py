@@ -73,8 +73,11 @@ class FragmentSync:
 
     def next_sync(self, step: int) -> tuple[int, int]:
         """(fragment, step) of the next round to start after `step`."""
+        return min(enumerate(self.next_syncs(step)), key=lambda x: x[1])
+
+    def next_syncs(self, step: int) -> list[int]:
         cfg = self.diloco.cfg
-        return min(((p, next_sync_step(step, p, cfg.window, cfg.fragments)) for p in range(cfg.fragments)), key=lambda x: x[1])
+        return [next_sync_step(step, p, cfg.window, cfg.fragments) for p in range(cfg.fragments)]
 
     async def after_step(self, step: int, tokens: int) -> None:
         cfg = self.diloco.cfg

@@ -1,0 +1,176 @@
+"""The node's link to the swarm: DHT, manifest check, island record, live peers, averaging.
+
+All of it is started before training and torn down in `close()`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
+from islands.protocols.dht import SwarmDHT, dht_now
+from islands.protocols.manifest import describe_differences, manifest_differences
+from islands.protocols.records import REFRESH_S, IslandRecord, choose_shard, live_records
+
+from .config import Config
+
+logger = logging.getLogger(__name__)
+
+
+class ManifestMismatch(Exception):
+    pass
+
+
+class NetworkError(Exception):
+    """The node cannot listen or reach the swarm it was told to join."""
+
+
+@dataclasses.dataclass
+class Status:
+    """What this island tells the swarm about itself; updated by the daemon as it trains."""
+
+    step: int = 0
+    tokens_per_s: float = 0.0
+    step_seconds: float = 0.0
+    next_sync: list[int] = dataclasses.field(default_factory=list)
+    last_sync: list[dict] = dataclasses.field(default_factory=list)
+    state: str = "starting"
+    shard: int = -1
+
+
+class Network:
+    def __init__(self, cfg: Config, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]], version: str):
+        self.cfg = cfg
+        self.manifest = manifest
+        self.shapes = shapes
+        self.version = version
+        self.status = Status(next_sync=[0] * cfg.diloco.fragments, last_sync=[{} for _ in range(cfg.diloco.fragments)])
+        self.dht: SwarmDHT | None = None
+        self.averaging: FragmentAveraging | None = None
+        self.peers: dict[str, IslandRecord] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id
+
+    def maddrs(self) -> list[str]:
+        return self.dht.visible_maddrs()
+
+    async def start(self) -> None:
+        net = self.cfg.net
+        try:
+            self.dht = await asyncio.to_thread(
+                SwarmDHT.start, net.run_id, initial_peers=net.join, host_maddrs=net.listen,
+                announce_maddrs=net.announce, identity_path=net.identity,
+            )
+        except Exception as e:  # noqa: BLE001 - hivemind raises many kinds; all mean "cannot start"
+            joined = f" via {', '.join(net.join)}" if net.join else ""
+            raise NetworkError(f"cannot start the DHT{joined}: {e}") from None
+        if net.identity:
+            try:
+                os.chmod(net.identity, 0o600)
+            except OSError:
+                pass
+        await self._check_manifest()
+        # in the main thread: hivemind's averagers set signal handlers as they start
+        self.averaging = FragmentAveraging(
+            self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
+            self.live_islands, AveragingTimeouts(match_wait_s=net.match_wait_s),
+        )
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def _check_manifest(self) -> None:
+        theirs = await self.dht.get_manifest()
+        if theirs is None:
+            if self.cfg.net.join:
+                logger.info("no manifest for run %s yet: this island writes it", self.cfg.net.run_id)
+            await self.dht.store_manifest(self.manifest)
+            return
+        diffs = manifest_differences(self.manifest, theirs)
+        if diffs:
+            raise ManifestMismatch(
+                f"this node does not match run {self.cfg.net.run_id!r}: "
+                + describe_differences(diffs, mine="this node", theirs="the run")
+            )
+
+    def record(self) -> IslandRecord:
+        s, net = self.status, self.cfg.net
+        return IslandRecord(
+            peer_id=self.peer_id, role=net.role, step=s.step,
+            batch_tokens=self.cfg.train.batch_size * self.cfg.train.seq_len,
+            tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
+            next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
+            version=self.version, time=dht_now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
+        )
+
+    async def refresh(self) -> None:
+        """Publish this island's record (and the manifest), then read everyone's."""
+        try:
+            await self.dht.store_island(self.record())
+            if self.status.state != "left":
+                await self.dht.store_manifest(self.manifest)
+            self.peers = await self.dht.islands()
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - the DHT may be briefly unreachable
+            logger.warning("DHT refresh failed: %r", e)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await self.refresh()
+
+    def live(self) -> dict[str, IslandRecord]:
+        return live_records(self.peers, dht_now())
+
+    def live_islands(self) -> int:
+        """Islands (satellites excluded) that would take part in a round now, this one included."""
+        others = [p for p, r in self.live().items() if p != self.peer_id and r.role == "island"]
+        return 1 + len(others)
+
+    async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
+        """Wait (bounded) until `count` islands are present; the number seen."""
+        deadline = time.monotonic() + timeout_s
+        seen = self.live_islands()
+        while seen < count and time.monotonic() < deadline and not shutdown():
+            on_wait(seen)
+            await asyncio.sleep(0.5)
+            await self.refresh()
+            seen = self.live_islands()
+        return seen
+
+    def choose_shard(self) -> int:
+        return choose_shard(self.peer_id, {**self.live(), self.peer_id: self.record()}, self.cfg.data.num_shards)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self.dht is not None:
+            self.status.state = "left"
+            try:
+                await asyncio.wait_for(self.dht.store_island(self.record()), timeout=3)
+            except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort on the way out
+                logger.info("could not withdraw the island record: %r", e)
+        if self.averaging is not None:
+            await asyncio.to_thread(self.averaging.shutdown)
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+
+
+def write_maddr_file(path: str | os.PathLike, maddrs: list[str]) -> None:
+    """Atomically, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(maddrs) + "\n")
+    tmp.rename(path)

@@ -1,0 +1,80 @@
+"""The island records every island publishes under `<run>:islands`, and how they are read.
+
+Pure: values in, values out. A record that is malformed is dropped and
+counted, never trusted and never a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+RECORD_TTL_S = 20.0
+"""An island record expires this long after it was written; islands refresh it well inside."""
+REFRESH_S = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandRecord:
+    peer_id: str
+    role: str
+    step: int
+    batch_tokens: int
+    tokens_per_s: float
+    step_seconds: float
+    next_sync: list[int]
+    last_sync: list[dict]
+    contact: str | None
+    version: str
+    time: float
+    state: str
+    """"starting", "training", or "left" (withdrawn on a clean exit)."""
+    maddrs: list[str]
+    shard: int = -1
+
+    def to_value(self) -> dict:
+        value = dataclasses.asdict(self)
+        value.pop("peer_id")
+        return value
+
+
+def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
+    """The record, or None if it is malformed."""
+    if not isinstance(value, Mapping) or not isinstance(peer_id, str):
+        return None
+    try:
+        record = IslandRecord(
+            peer_id=peer_id,
+            role=str(value["role"]),
+            step=int(value["step"]),
+            batch_tokens=int(value["batch_tokens"]),
+            tokens_per_s=float(value["tokens_per_s"]),
+            step_seconds=float(value.get("step_seconds", 0.0)),
+            next_sync=[int(x) for x in value["next_sync"]],
+            last_sync=[dict(x) for x in value.get("last_sync", [])],
+            contact=None if value.get("contact") is None else str(value["contact"]),
+            version=str(value["version"]),
+            time=float(value["time"]),
+            state=str(value.get("state", "training")),
+            maddrs=[str(m) for m in value.get("maddrs", [])],
+            shard=int(value.get("shard", -1)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    if record.role not in ("island", "satellite") or record.step < 0 or record.state not in ("starting", "training", "left"):
+        return None
+    return record
+
+
+def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = RECORD_TTL_S) -> dict[str, IslandRecord]:
+    """Records that are fresh and not withdrawn."""
+    return {p: r for p, r in records.items() if r.state != "left" and now - r.time <= ttl_s}
+
+
+def choose_shard(me: str, records: Mapping[str, IslandRecord], num_shards: int) -> int:
+    """A data shard no training island holds; islands starting together split the free ones by peer id."""
+    claimed = {r.shard for p, r in records.items() if p != me and r.state == "training" and r.shard >= 0}
+    free = [s for s in range(num_shards) if s not in claimed] or list(range(num_shards))
+    starting = sorted({p for p, r in records.items() if r.state == "starting"} | {me})
+    return free[starting.index(me) % len(free)]
