@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .config import ConfigError, add_arguments, build_config
 
 PROG = "islands-node"
-SUBCOMMANDS = ("run", "check-config")
+SUBCOMMANDS = ("run", "check-config", "status", "swarm")
 
 DESCRIPTION = """\
 Train one model across compute islands with Streaming DiLoCo.
@@ -25,6 +25,8 @@ precedence: defaults < file < environment < command line.
 
 subcommands:
   islands-node [run] [options]       run a node (the default)
+  islands-node status --join MADDR   the swarm as a table (--json for machines)
+  islands-node swarm --islands N     N local islands on loopback: the one-command demo
   islands-node check-config FILE     validate a TOML config without starting
 """
 
@@ -54,6 +56,15 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
     if command == "check-config":
         return _check_config(argv, environ)
+    if command == "status":
+        from .status import main as status_main
+
+        _setup_logging(0)
+        return status_main(argv, PROG)
+    if command == "swarm":
+        from .swarm import main as swarm_main
+
+        return swarm_main(argv, PROG)
     parser = _run_parser()
     try:
         args = vars(parser.parse_args(argv))

@@ -67,3 +67,35 @@ def read_events(path: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+class EventTail:
+    """Follows a growing event log, returning complete new events on each poll."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._offset = 0
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """Every event so far (new ones appended)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.events
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        for line in chunk[:end].splitlines():
+            try:
+                self.events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return self.events
+
+    def last(self, kind: str) -> dict | None:
+        return next((e for e in reversed(self.events) if e["event"] == kind), None)
+
+    def count(self, kind: str, **match) -> int:
+        return sum(1 for e in self.events if e["event"] == kind and all(e.get(k) == v for k, v in match.items()))

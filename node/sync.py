@@ -30,12 +30,17 @@ async def _call_inline(fn, *args):
 class Averager(Protocol):
     async def average(self, contribution: Contribution) -> RoundResult: ...
 
+    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict) -> tuple[dict, dict, int] | None: ...
+
 
 class SoloAverager:
     """No peers: every round is the island's own pseudo-gradient."""
 
     async def average(self, contribution: Contribution) -> RoundResult:
         return RoundResult(outcome="solo", delta=contribution.delta, group_size=1, weight=contribution.weight)
+
+    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict) -> None:
+        return None
 
 
 @dataclasses.dataclass
@@ -107,6 +112,11 @@ class FragmentSync:
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params)
         self.diloco.count(fragment, result.outcome)
+        consensus = None
+        if result.consensus:
+            consensus, extra_bytes = await self._consensus(fragment, c.round)
+            result.bytes_sent += extra_bytes
+            result.bytes_recv += extra_bytes
         self.on_sync(
             {
                 "fragment": fragment,
@@ -121,8 +131,27 @@ class FragmentSync:
                 "bytes_recv": result.bytes_recv,
                 "seconds": round(result.seconds, 6),
                 "staleness": result.staleness,
+                "consensus": consensus,
             }
         )
+
+    async def _consensus(self, fragment: int, round_: int) -> tuple[str, int]:
+        """The group's agreed values disagreed: average them (and the outer momentum) once more."""
+        d = self.diloco
+        try:
+            got = await asyncio.wait_for(
+                self.averager.consensus(fragment, round_, d.globals[fragment], d.momentum[fragment]),
+                timeout=self.round_timeout_s,
+            )
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep own values, retry next round
+            logger.warning("fragment %d round %d: consensus round failed: %r", fragment, round_, e)
+            return "failed", 0
+        if got is None:
+            return "failed", 0
+        global_, momentum, sent = got
+        await self._run_torch(d.replace, fragment, global_, momentum)
+        logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
+        return "ok", sent
 
     async def flush(self, step: int) -> None:
         """Finish every round in flight now (bounded by the round timeout) and apply it."""

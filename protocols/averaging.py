@@ -18,13 +18,17 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
+from .consensus import TOLERANCE, consensus_needed
 from .diloco import Contribution, RoundResult
 
 logger = logging.getLogger(__name__)
@@ -33,12 +37,42 @@ ROUND_BITS = 24  # the group key carries the round number modulo 2**24
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1}
 
 
-def round_group_bits(round_: int) -> str:
-    return format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+PHASES = ("delta", "global", "momentum")
+
+
+def round_group_bits(round_: int, phase: str = "delta") -> str:
+    """The group key of one phase of one round: islands meet only in the same round and phase."""
+    key = round_ * len(PHASES) + PHASES.index(phase)
+    return format(key % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+
+
+class FixedUniform8BitQuantization(Uniform8BitQuantization):
+    """hivemind 1.1.12's 8-bit codec with its NumPy >= 2.4 bug fixed.
+
+    Its `extract` calls int() on a one-element array, which NumPy 2.4 refuses; the
+    error is swallowed inside the all-reduce, so a round "succeeds" with parts of
+    the vector left unaveraged. Same wire format, so peers interoperate.
+    """
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+def install_codec_fixes() -> None:
+    """Receivers decode by hivemind's registry, not by our codec object: register the fixed one.
+
+    Must run before the averager processes fork (they inherit it)."""
+    hivemind_serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = FixedUniform8BitQuantization()
 
 
 def compression_codec(name: str) -> CompressionBase:
-    return {"none": NoCompression, "fp16": Float16Compression, "int8": Uniform8BitQuantization}[name]()
+    return {"none": NoCompression, "fp16": Float16Compression, "int8": FixedUniform8BitQuantization}[name]()
 
 
 def allreduce_wire_bytes(num_values: int, group_size: int, compression: str) -> int:
@@ -55,7 +89,7 @@ class AveragingTimeouts:
     """How long a round waits for the other islands before it runs with whoever came."""
     allreduce_s: float = 30.0
     """The all-reduce itself, once the group is formed."""
-    next_chunk_s: float = 5.0
+    next_chunk_s: float = 15.0
     """A peer that sends nothing for this long is dropped from the round."""
     request_s: float = 1.0
     """One matchmaking request."""
@@ -67,16 +101,18 @@ class IslandAverager(DecentralizedAverager):
     Every island must use this class: hivemind names its RPCs after the class.
     """
 
-    def set_round(self, group_bits: str, target_group_size: int) -> None:
+    def set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase) -> None:
         future = MPFuture()
-        self._outer_pipe.send(("_set_round", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future)))
+        kwargs = dict(group_bits=group_bits, target_group_size=target_group_size, compression=compression, future=future)
+        self._outer_pipe.send(("_set_round", [], kwargs))
         future.result(timeout=10)
 
-    async def _set_round(self, group_bits: str, target_group_size: int, future: MPFuture) -> None:
+    async def _set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase, future: MPFuture) -> None:
         mm = self._matchmaking
         mm.group_key_manager.group_bits = group_bits
         mm.target_group_size = target_group_size
         mm.potential_leaders.target_group_size = target_group_size
+        self.allreduce_kwargs["compression"] = compression
         future.set_result(None)
 
 
@@ -92,8 +128,10 @@ class FragmentAveraging:
         live_islands: Callable[[], int],
         timeouts: AveragingTimeouts = AveragingTimeouts(),
     ):
+        install_codec_fixes()
         self.timeouts = timeouts
         self.compression = compression
+        self.codec = compression_codec(compression)
         self.live_islands = live_islands
         self.names = [[n for n, _ in frag] for frag in shapes]
         self.num_values = [sum(int(torch.Size(s).numel()) for _, s in frag) for frag in shapes]
@@ -121,39 +159,73 @@ class FragmentAveraging:
         expected = self.live_islands()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
-        averager = self.averagers[c.fragment]
-        names = self.names[c.fragment]
         started = time.monotonic()
-        await asyncio.to_thread(self._load, averager, names, c.delta)
-        await asyncio.to_thread(averager.set_round, round_group_bits(c.round), expected)
-        wait_s = self.timeouts.match_wait_s
-        control = await asyncio.to_thread(
-            averager.step,
-            gather={"round": c.round, "step": c.step, "weight": c.weight},
-            weight=max(c.weight, 1e-6),
-            scheduled_time=get_dht_time() + wait_s,
-            timeout=wait_s + 2 * self.timeouts.request_s,
-            wait=False,
+        gathered, delta = await self._allreduce(
+            c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=c.weight,
+            gather={"round": c.round, "step": c.step, "weight": c.weight, "fp": c.fingerprint},
+            compression=self.codec,
         )
-        try:
-            gathered = await asyncio.wait_for(asyncio.wrap_future(control), timeout=2 * wait_s + self.timeouts.allreduce_s)
-        except BaseException:
-            control.cancel()
-            raise
         seconds = time.monotonic() - started
-        if not gathered:
+        if gathered is None:
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
-        rounds = {m.get("round") for m in gathered.values() if isinstance(m, dict)}
+        rounds = {m.get("round") for m in gathered.values()}
         if rounds != {c.round}:
             logger.warning("fragment %d: group mixed rounds %s; keeping own update", c.fragment, rounds)
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
-        delta = await asyncio.to_thread(self._read, averager, names)
         wire = allreduce_wire_bytes(self.num_values[c.fragment], len(gathered), self.compression)
-        group_weight = sum(float(m.get("weight", 0.0)) for m in gathered.values())
         return RoundResult(
-            outcome="ok", delta=delta, group_size=len(gathered), weight=group_weight,
+            outcome="ok", delta=delta, group_size=len(gathered),
+            weight=sum(float(m.get("weight", 0.0)) for m in gathered.values()),
             bytes_sent=wire, bytes_recv=wire, seconds=seconds,
+            consensus=consensus_needed((m.get("fp", []) for m in gathered.values()), TOLERANCE[self.compression]),
         )
+
+    async def consensus(
+        self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
+        """Average the agreed values and outer momentum themselves (fp32, equal weights).
+
+        Run by every member of a group whose fingerprints disagreed; returns
+        (global, momentum, bytes sent) or None if the group did not re-form."""
+        expected = self.live_islands()
+        sent = 0
+        out = []
+        for phase, values in (("global", global_), ("momentum", momentum)):
+            gathered, averaged = await self._allreduce(
+                fragment, round_group_bits(round_, phase), expected, values, weight=1.0,
+                gather={"round": round_, "phase": phase}, compression=NoCompression(),
+            )
+            if gathered is None or {m.get("round") for m in gathered.values()} != {round_}:
+                return None
+            sent += allreduce_wire_bytes(self.num_values[fragment], len(gathered), "none")
+            out.append(averaged)
+        return out[0], out[1], sent
+
+    async def _allreduce(
+        self, fragment: int, group_bits: str, expected: int, values: dict[str, torch.Tensor], *,
+        weight: float, gather: dict, compression: CompressionBase,
+    ) -> tuple[dict | None, dict[str, torch.Tensor]]:
+        """One bounded all-reduce of `values` on this fragment's averager: (gathered metadata or None, result)."""
+        averager, names = self.averagers[fragment], self.names[fragment]
+        await asyncio.to_thread(self._load, averager, names, values)
+        await asyncio.to_thread(averager.set_round, group_bits, expected, compression)
+        wait_s = self.timeouts.match_wait_s
+        control = await asyncio.to_thread(
+            averager.step, gather=gather, weight=max(weight, 1e-6), scheduled_time=get_dht_time() + wait_s,
+            timeout=wait_s + 2 * self.timeouts.request_s, wait=False,
+        )
+        try:
+            gathered = await asyncio.wait_for(asyncio.wrap_future(control), timeout=2 * wait_s + self.timeouts.allreduce_s)
+        except asyncio.CancelledError:
+            control.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - no group, a peer gone, a timeout: all mean "no result"
+            control.cancel()
+            logger.info("fragment %d: round %s found no result: %r", fragment, group_bits, e)
+            return None, values
+        if not gathered or not all(isinstance(m, dict) for m in gathered.values()):
+            return None, values
+        return gathered, await asyncio.to_thread(self._read, averager, names)
 
     @staticmethod
     def _load(averager: IslandAverager, names: list[str], delta: dict[str, torch.Tensor]) -> None:

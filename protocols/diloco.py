@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from . import PROTOCOL_VERSION
+from .consensus import fingerprint
 from .outer import mix, nesterov_outer_step, pseudo_gradient, token_weight
 from .schedule import check_schedule, default_overlap, fragment_offset
 
@@ -71,6 +72,8 @@ class Contribution:
     step: int
     delta: dict[str, torch.Tensor]
     weight: float
+    fingerprint: list[float] = dataclasses.field(default_factory=list)
+    """Of the agreed values the delta was taken against (see consensus.py)."""
 
 
 @dataclasses.dataclass
@@ -86,6 +89,8 @@ class RoundResult:
     bytes_recv: int = 0
     seconds: float = 0.0
     staleness: int = 0
+    consensus: bool = False
+    """The group's agreed values disagreed: run a consensus round after applying."""
 
 
 @dataclasses.dataclass
@@ -124,7 +129,8 @@ class StreamingDiLoCo:
         counters = self.counters[fragment]
         weight = token_weight(counters.tokens_since_sync)
         counters.tokens_since_sync = 0
-        return Contribution(fragment=fragment, round=round_, step=step, delta=delta, weight=weight)
+        fp = fingerprint([g[n] for n in self.layout[fragment]])
+        return Contribution(fragment=fragment, round=round_, step=step, delta=delta, weight=weight, fingerprint=fp)
 
     def apply(self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
         """Outer step on global_p with the averaged delta, then mix local_p towards it (in place)."""
@@ -134,6 +140,12 @@ class StreamingDiLoCo:
             with torch.no_grad():
                 params[n].copy_(mix(params[n], g[n], cfg.alpha))
         self.counters[fragment].round = round_
+
+    def replace(self, fragment: int, global_: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> None:
+        """Take the group's consensus for this fragment's agreed values and outer momentum."""
+        for n in self.layout[fragment]:
+            self.globals[fragment][n] = global_[n].to(torch.float32).clone()
+            self.momentum[fragment][n] = momentum[n].to(torch.float32).clone()
 
     def count(self, fragment: int, outcome: str) -> None:
         syncs = self.counters[fragment].syncs

@@ -16,3 +16,24 @@ def nodes():
     yield start
     for node in started:
         node.stop()
+
+
+def _p2pd_pids() -> set[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_stray_p2pd():
+    """The suite must end with no p2pd of its own left running."""
+    import time
+
+    before = _p2pd_pids()
+    yield
+    deadline = time.monotonic() + 15
+    while _p2pd_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _p2pd_pids() - before
+    assert not left, f"p2pd processes left running: {sorted(left)}"

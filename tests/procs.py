@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from islands.node.events import EventTail
 
 NODE = [sys.executable, "-m", "islands.node"]
 
@@ -28,19 +29,18 @@ class NodeProcess:
             [*NODE, *self.args], stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL,
             env=full_env, start_new_session=True,
         )
-        self._offset = 0
-        self.events: list[dict] = []
+        self.tail = EventTail(self.log_path)
+
+    @property
+    def events(self) -> list[dict]:
+        return self.tail.events
 
     def poll_events(self) -> list[dict]:
-        if self.log_path.exists():
-            with open(self.log_path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-            end = chunk.rfind(b"\n") + 1
-            self._offset += end
-            for line in chunk[:end].splitlines():
-                self.events.append(json.loads(line))
-        return self.events
+        return self.tail.poll()
+
+    def use_log(self, path: Path) -> None:
+        self.log_path = Path(path)
+        self.tail = EventTail(self.log_path)
 
     def wait_for(self, predicate: Callable[[dict], bool], timeout_s: float, what: str = "event") -> dict:
         deadline = time.monotonic() + timeout_s
@@ -59,6 +59,17 @@ class NodeProcess:
                 raise AssertionError(f"node exited ({self.proc.returncode}) before {what}:\n{self.stderr()}")
             time.sleep(0.05)
         raise AssertionError(f"no {what} within {timeout_s}s:\n{self.stderr()}")
+
+    def wait_file(self, path: Path, timeout_s: float) -> str:
+        """The first line of a file the node writes (its --maddr-file), once it exists."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if Path(path).exists():
+                return Path(path).read_text().split()[0]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited ({self.proc.returncode}) before writing {path}:\n{self.stderr()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {path} within {timeout_s}s:\n{self.stderr()}")
 
     def wait_exit(self, timeout_s: float) -> int:
         try:

@@ -21,7 +21,7 @@ def test_acceptance_run_then_resume(nodes, tmp_path):
     """The issue's acceptance: 120 steps on the schedule, loss falls, then a resume to 150."""
     d = tmp_path / "D"
     node = nodes(["--steps", "120", "--window", "20", "--fragments", "4", "--log-json", str(d / "log.jsonl")], d)
-    node.log_path = d / "log.jsonl"
+    node.use_log(d / "log.jsonl")
     assert node.wait_exit(170) == 0, node.stderr()
     events = node.poll_events()
     steps = [e for e in events if e["event"] == "step"]
@@ -37,7 +37,7 @@ def test_acceptance_run_then_resume(nodes, tmp_path):
     assert json.loads((d / "checkpoint" / "state.json").read_text())["step"] == 120
 
     again = nodes(["--steps", "150", "--window", "20", "--fragments", "4", "--log-json", str(d / "log.jsonl")], d, name="again")
-    again.log_path = d / "log.jsonl"
+    again.use_log(d / "log.jsonl")
     assert again.wait_exit(120) == 0, again.stderr()
     assert again.steps()[0] == 121 and again.steps()[-1] == 150
     summary = again.of("summary")[0]

@@ -1,0 +1,103 @@
+"""Fragment averaging on real hivemind DHTs and averagers (in one test process, real sockets on 127.0.0.1)."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
+from islands.protocols.consensus import fingerprint
+from islands.protocols.dht import SwarmDHT
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPES = [[("w", (64, 32)), ("b", (32,))]]
+TIMEOUTS = AveragingTimeouts(match_wait_s=3.0, allreduce_s=20.0, next_chunk_s=5.0)
+
+
+@pytest.fixture
+def pair():
+    """Two islands' averaging on two DHTs; everything shut down afterwards."""
+    made = []
+
+    def make(compression="none"):
+        first = SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        made.append(first)
+        second = SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.visible_maddrs())
+        made.append(second)
+        avs = [FragmentAveraging(d.dht, "t", SHAPES, compression, lambda: 2, TIMEOUTS) for d in (first, second)]
+        made.extend(avs)
+        return avs
+
+    yield make
+    for thing in reversed(made):
+        thing.shutdown()
+
+
+def _contribution(round_, value, weight, global_value=0.0):
+    from islands.protocols.diloco import Contribution
+
+    delta = {"w": torch.full((64, 32), value), "b": torch.full((32,), -value)}
+    g = [torch.full((64, 32), global_value), torch.zeros(32)]
+    return Contribution(fragment=0, round=round_, step=round_ * 20, delta=delta, weight=weight, fingerprint=fingerprint(g))
+
+
+def _both(a, b, ca, cb, delay_s=0.0):
+    async def late():
+        await asyncio.sleep(delay_s)
+        return await b.average(cb)
+
+    async def run():
+        return await asyncio.gather(a.average(ca), late())
+
+    return asyncio.run(run())
+
+
+def test_token_weighted_round_and_late_partner(pair):
+    a, b = pair()
+    ra, rb = _both(a, b, _contribution(1, 1.0, 1000.0), _contribution(1, 4.0, 2000.0), delay_s=1.0)
+    for r in (ra, rb):
+        assert r.outcome == "ok" and r.group_size == 2 and r.weight == 3000.0
+        assert torch.allclose(r.delta["w"], torch.full((64, 32), 3.0))  # (1*1000 + 4*2000) / 3000
+        assert not r.consensus
+        assert r.bytes_sent == 2 * (64 * 32 + 32) * 4 // 2
+
+
+def test_different_rounds_never_average_and_fail_in_bounded_time(pair):
+    a, b = pair()
+    start = time.monotonic()
+    ra, rb = _both(a, b, _contribution(3, 1.0, 1.0), _contribution(4, 4.0, 1.0))
+    assert (ra.outcome, rb.outcome) == ("failed", "failed")
+    assert torch.equal(ra.delta["w"], torch.full((64, 32), 1.0))  # own update kept
+    assert time.monotonic() - start < 2 * TIMEOUTS.match_wait_s + 10
+
+
+def test_diverged_agreed_values_trigger_a_consensus_round(pair):
+    a, b = pair()
+    ra, rb = _both(a, b, _contribution(2, 1.0, 1.0, global_value=0.0), _contribution(2, 1.0, 1.0, global_value=0.5))
+    assert ra.consensus and rb.consensus
+
+    async def heal():
+        ga = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
+        gb = {"w": torch.full((64, 32), 0.5), "b": torch.ones(32)}
+        m = {"w": torch.ones(64, 32), "b": torch.zeros(32)}
+        return await asyncio.gather(a.consensus(0, 2, ga, m), b.consensus(0, 2, gb, m))
+
+    (ga, ma, _), (gb, mb, sent) = asyncio.run(heal())
+    assert torch.allclose(ga["w"], torch.full((64, 32), 0.25)) and torch.allclose(gb["b"], torch.full((32,), 0.5))
+    assert torch.allclose(ma["w"], mb["w"]) and sent > 0
+
+
+def test_int8_averages_the_whole_vector(pair):
+    a, b = pair("int8")
+    torch.manual_seed(0)
+    ca, cb = _contribution(1, 0.0, 1.0), _contribution(1, 0.0, 1.0)
+    ca.delta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    cb.delta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    ra, rb = _both(a, b, ca, cb)
+    assert ra.outcome == "ok"
+    mean = (ca.delta["w"] + cb.delta["w"]) / 2
+    # every element moved to (close to) the mean; none left at a local value
+    assert (ra.delta["w"] - mean).abs().mean() < 0.05
+    assert (ra.delta["w"] - ca.delta["w"]).abs().min() < 1 and ((ra.delta["w"] - ca.delta["w"]).abs() > 1e-6).float().mean() > 0.99

@@ -1,0 +1,83 @@
+"""Record parsing, shard choice, lateness, wire bytes and the fixed 8-bit codec."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from islands.node.status import lateness, render_table
+from islands.protocols.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
+from islands.protocols.records import IslandRecord, choose_shard, live_records, parse_island_record
+
+GOOD = {
+    "role": "island", "step": 40, "batch_tokens": 1024, "tokens_per_s": 9000.0, "step_seconds": 0.07,
+    "next_sync": [60, 45, 50, 55], "last_sync": [{"step": 40, "outcome": "ok", "group_size": 3}], "contact": None,
+    "version": "0.1.0", "time": 100.0, "state": "training", "maddrs": [], "shard": 2,
+}
+
+
+def test_record_round_trip():
+    r = parse_island_record("peerA", GOOD)
+    assert r is not None and r.step == 40 and r.shard == 2
+    assert parse_island_record("peerA", r.to_value()) == r
+
+
+@given(st.dictionaries(st.sampled_from(sorted(GOOD)), st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=3))))
+def test_malformed_records_are_dropped_not_raised(value):
+    r = parse_island_record("p", value)
+    assert r is None or isinstance(r, IslandRecord)
+
+
+def test_bad_roles_and_negative_steps_are_dropped():
+    assert parse_island_record("p", {**GOOD, "role": "king"}) is None
+    assert parse_island_record("p", {**GOOD, "step": -1}) is None
+    assert parse_island_record("p", "not a dict") is None
+
+
+def _rec(peer, **kw):
+    return parse_island_record(peer, {**GOOD, **kw})
+
+
+def test_live_records_drop_stale_and_withdrawn():
+    records = {"a": _rec("a", time=100.0), "b": _rec("b", time=50.0), "c": _rec("c", time=100.0, state="left")}
+    assert set(live_records(records, now=105.0, ttl_s=20)) == {"a"}
+
+
+def test_islands_starting_together_take_distinct_shards():
+    records = {p: _rec(p, state="starting", shard=-1) for p in ("p1", "p2", "p3")}
+    shards = {p: choose_shard(p, records, 16) for p in records}
+    assert sorted(shards.values()) == [0, 1, 2]
+
+
+def test_joiner_takes_a_free_shard():
+    records = {"a": _rec("a", shard=0), "b": _rec("b", shard=1), "me": _rec("me", state="starting", shard=-1)}
+    assert choose_shard("me", records, 16) == 2
+
+
+def test_lateness_and_table():
+    records = {"a": _rec("a", step=100), "b": _rec("b", step=97), "c": _rec("c", step=80)}
+    assert lateness(records, window=20, fragments=4) == {"c": 20}
+    table = render_table({"run_id": "r", "window": 20, "fragments": 4, "overlap": 4, "model": {"n_layer": 4}}, records, now=101.0)
+    assert "3 live island(s)" in table and "20 steps" in table and "f0@40:okx3" in table
+
+
+def test_wire_bytes_of_butterfly_allreduce():
+    assert allreduce_wire_bytes(1000, 1, "none") == 0
+    assert allreduce_wire_bytes(1000, 2, "none") == 4000  # half out, half back, 4 bytes each
+    assert allreduce_wire_bytes(1000, 4, "fp16") == 3000
+    assert allreduce_wire_bytes(1000, 3, "int8") == 1333
+
+
+def test_round_keys_differ_between_rounds():
+    assert round_group_bits(5) != round_group_bits(6)
+    assert set(round_group_bits(123)) <= {"0", "1"}
+
+
+def test_fixed_8bit_codec_decodes_the_whole_tensor():
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto.runtime_pb2 import CompressionType
+
+    install_codec_fixes()
+    x = torch.randn(10_000)
+    y = deserialize_torch_tensor(serialize_torch_tensor(x, CompressionType.UNIFORM_8BIT))
+    assert y.shape == x.shape
+    assert (x - y).abs().mean() < 0.02
