@@ -22,19 +22,20 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
+from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
 from .consensus import TOLERANCE, consensus_needed
 from .diloco import Contribution, RoundResult
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 24  # the group key carries the round number modulo 2**24
-BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1}
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1 + 4 / BLOCK}
 
 
 PHASES = ("delta", "global", "momentum")
@@ -64,15 +65,49 @@ class FixedUniform8BitQuantization(Uniform8BitQuantization):
         return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
 
 
+class BlockwiseInt8(CompressionBase):
+    """`--compression int8` on the wire: blockwise absmax int8 (protocols/compression.py).
+
+    It takes the BLOCKWISE_8BIT slot of hivemind's registry, whose own codec
+    needs bitsandbytes; every island of a run uses this class, as it uses IslandAverager.
+    """
+
+    compression_type = runtime_pb2.BLOCKWISE_8BIT
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        codes, scales = quantize_blockwise(tensor)
+        header = np.array([BLOCK, scales.numel()], dtype=np.int64).tobytes()
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=header + scales.numpy().tobytes() + codes.numpy().tobytes(),
+            size=tensor.shape,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        block, num_scales = (int(v) for v in np.frombuffer(buffer, count=2, dtype=np.int64))
+        scales = torch.from_numpy(np.frombuffer(buffer, offset=16, count=num_scales, dtype=np.float32).copy())
+        codes = torch.from_numpy(np.frombuffer(buffer, offset=16 + 4 * num_scales, dtype=np.int8).copy())
+        values = dequantize_blockwise(codes, scales, block).reshape(tuple(serialized_tensor.size))
+        return values.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return (1 + 4 / BLOCK) / 4
+
+
 def install_codec_fixes() -> None:
-    """Receivers decode by hivemind's registry, not by our codec object: register the fixed one.
+    """Receivers decode by hivemind's registry, not by our codec object: register ours.
 
     Must run before the averager processes fork (they inherit it)."""
-    hivemind_serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = FixedUniform8BitQuantization()
+    registry = hivemind_serialization._BASE_COMPRESSION_TYPES
+    registry["UNIFORM_8BIT"] = FixedUniform8BitQuantization()
+    registry["BLOCKWISE_8BIT"] = BlockwiseInt8()
 
 
 def compression_codec(name: str) -> CompressionBase:
-    return {"none": NoCompression, "fp16": Float16Compression, "int8": FixedUniform8BitQuantization}[name]()
+    return {"none": NoCompression, "fp16": Float16Compression, "int8": BlockwiseInt8}[name]()
 
 
 def allreduce_wire_bytes(num_values: int, group_size: int, compression: str) -> int:
@@ -183,7 +218,10 @@ class FragmentAveraging:
     async def consensus(
         self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
-        """Average the agreed values and outer momentum themselves (fp32, equal weights).
+        """Average the agreed values and outer momentum themselves (equal weights).
+
+        hivemind sends each member avg - own through the codec, so with compression
+        the correction is as precise as the codec on the (small) drift.
 
         Run by every member of a group whose fingerprints disagreed; returns
         (global, momentum, bytes sent) or None if the group did not re-form."""
@@ -193,11 +231,11 @@ class FragmentAveraging:
         for phase, values in (("global", global_), ("momentum", momentum)):
             gathered, averaged = await self._allreduce(
                 fragment, round_group_bits(round_, phase), expected, values, weight=1.0,
-                gather={"round": round_, "phase": phase}, compression=NoCompression(),
+                gather={"round": round_, "phase": phase}, compression=self.codec,
             )
             if gathered is None or {m.get("round") for m in gathered.values()} != {round_}:
                 return None
-            sent += allreduce_wire_bytes(self.num_values[fragment], len(gathered), "none")
+            sent += allreduce_wire_bytes(self.num_values[fragment], len(gathered), self.compression)
             out.append(averaged)
         return out[0], out[1], sent
 

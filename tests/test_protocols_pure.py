@@ -177,3 +177,31 @@ def test_apply_is_outer_step_then_mix():
         assert torch.allclose(diloco.globals[0][n], expect_g, atol=1e-6)
         assert torch.allclose(params[n].detach(), 0.5 * local_before[n] + 0.5 * expect_g, atol=1e-6)
     assert diloco.counters[0].round == 1
+
+
+def test_blockwise_int8_round_trip_never_clips():
+    from islands.protocols.compression import dequantize_blockwise, quantize_blockwise
+
+    torch.manual_seed(0)
+    x = torch.randn(1000) * 0.01
+    x[17] = 50.0  # an outlier costs precision in its own block only
+    codes, scales = quantize_blockwise(x, block=256)
+    assert codes.dtype == torch.int8 and codes.numel() == 1000 and scales.numel() == 4
+    y = dequantize_blockwise(codes, scales, block=256)
+    assert abs(y[17].item() - 50.0) < 1e-4
+    err = (x - y).abs()
+    assert err[256:].max() <= scales[1:].max() / 2 + 1e-9  # half a step, no clipping
+    assert torch.equal(dequantize_blockwise(*quantize_blockwise(torch.zeros(5))), torch.zeros(5))
+
+
+def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
+    from islands.protocols.consensus import TOLERANCE, consensus_needed, fingerprint
+
+    torch.manual_seed(0)
+    g = torch.randn(512, 256) * 0.05
+    noisy = g + torch.randn_like(g) * 5e-7
+    stale = g.clone()
+    stale[:40] += torch.randn(40, 256) * 0.01  # one slice kept a different value
+    tol = TOLERANCE["none"]
+    assert not consensus_needed([fingerprint([g]), fingerprint([noisy])], tol)
+    assert consensus_needed([fingerprint([g]), fingerprint([stale])], tol)
