@@ -103,6 +103,9 @@ def _setup_logging(verbose: int) -> None:
 
 def _run_node(cfg) -> int:
     from .daemon import Island, Shutdown, StartupError
+    from .supervise import start_watchdog
+
+    watchdog = start_watchdog()
 
     async def serve() -> int:
         shutdown = Shutdown()
@@ -127,6 +130,8 @@ def _run_node(cfg) -> int:
         return _event_loop_run(serve)
     except StartupError as e:
         return _fail(str(e))
+    finally:
+        watchdog.goodbye()
 
 
 def _event_loop_run(coro_fn) -> int:

@@ -13,6 +13,8 @@ from typing import Any
 RECORD_TTL_S = 20.0
 """An island record expires this long after it was written; islands refresh it well inside."""
 REFRESH_S = 4.0
+LIVE_S = 3 * REFRESH_S
+"""An island whose record has not been refreshed for this long is no longer waited for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +69,8 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
     return record
 
 
-def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = RECORD_TTL_S) -> dict[str, IslandRecord]:
-    """Records that are fresh and not withdrawn."""
+def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = LIVE_S) -> dict[str, IslandRecord]:
+    """Records that are fresh (refreshed within ttl_s) and not withdrawn."""
     return {p: r for p, r in records.items() if r.state != "left" and now - r.time <= ttl_s}
 
 

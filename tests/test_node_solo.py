@@ -150,3 +150,38 @@ def test_check_config(tmp_path, capsys):
     bad.write_text("window = 20\nfragmnets = 4\n")
     assert main(["check-config", str(bad)], environ={}) == 2
     assert "unknown key 'fragmnets'" in capsys.readouterr().err
+
+
+def _group(pgid: int) -> set[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def test_sigkill_of_the_node_takes_its_daemons_down(nodes, tmp_path):
+    """No ghost peer: hivemind's DHT, averagers and p2pd go when the node is killed."""
+    import os
+    import time
+
+    node = nodes(["--steps", "100000", *SMALL, "--listen", "/ip4/127.0.0.1/tcp/0"], tmp_path / "k")
+    node.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3, 90, "step 3")
+    pgid = node.proc.pid
+    assert len(_group(pgid)) >= 4  # node, watchdog, DHT, p2pd, averagers
+    os.kill(node.proc.pid, signal.SIGKILL)
+    node.proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while _group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group(pgid)
+
+
+def test_identity_keeps_the_peer_id(capsys, tmp_path):
+    key = tmp_path / "id.key"
+    ids = []
+    for i in range(2):
+        run = tmp_path / f"r{i}"
+        assert main(["--steps", "1", *SMALL, "--run-dir", str(run), "--identity", str(key), "--progress", "off", "--listen", "/ip4/127.0.0.1/tcp/0"], environ={}) == 0
+        ids.append(json.loads((run / "events.jsonl").read_text().splitlines()[0])["peer_id"])
+    assert ids[0] == ids[1] and len(ids[0]) > 40
+    assert key.stat().st_mode & 0o077 == 0

@@ -87,3 +87,21 @@ def test_unreachable_join_peer_is_a_clear_error(tmp_path, capsys):
     assert main(["--join", bogus, "--steps", "2", "--run-dir", str(tmp_path / "r"), "--listen", "/ip4/127.0.0.1/tcp/0"], environ={}) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("islands-node: error: cannot start the DHT via"), err
+
+
+def test_a_dead_island_costs_the_others_a_bounded_wait(nodes, tmp_path):
+    common = [*SCHEDULE, "--steps", "100", "--wait-islands", "3", "--run-id", "crash", "--match-wait-s", "3"]
+    a, join = _first(nodes, tmp_path, common)
+    b = nodes([*common, "--join", join], tmp_path / "b", name="b")
+    c = nodes([*common, "--join", join], tmp_path / "c", name="c")
+    c.wait_for(lambda e: e["event"] == "sync" and e["step"] >= 40, 120, "a sync at step 40")
+    c.kill_tree()
+    killed_at = max(e["step"] for e in a.poll_events() if e["event"] == "step")
+    for node in (a, b):
+        assert node.wait_exit(150) == 0, node.stderr()
+        after = [s for s in node.of("sync") if s["step"] > killed_at + 20]
+        assert after and all(s["outcome"] == "ok" and s["group_size"] == 2 for s in after), after
+        # at most a few rounds wait for the dead island, each bounded by the match wait (3 s) and the record expiry
+        slow = [s for s in node.of("sync") if s["seconds"] > 2.5]
+        assert len(slow) <= 8 and all(s["seconds"] < 30 for s in slow), slow
+    assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "b" / "checkpoint" / "global.safetensors") < 1e-4

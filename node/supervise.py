@@ -1,0 +1,65 @@
+"""Nothing outlives the node: a watchdog that takes the node's process group down if the node dies.
+
+hivemind's DHT and averagers are child processes, and p2pd is their child; a
+SIGKILL of the node would leave them running as a ghost peer that still
+answers. The watchdog is forked first thing; it waits for the node to exit
+and, unless the node said goodbye (a clean exit has already shut its
+children down), SIGKILLs the node's process group. It does this only when the
+node leads its own process group (a shell job, a systemd service, a test's
+`start_new_session`); otherwise there is no group of its own to take down.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+GOODBYE = b"bye"
+
+
+class Watchdog:
+    def __init__(self, write_fd: int | None):
+        self._fd = write_fd
+
+    def goodbye(self) -> None:
+        """A clean exit: the children are down, the watchdog leaves the group alone."""
+        if self._fd is not None:
+            try:
+                os.write(self._fd, GOODBYE)
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
+def start_watchdog() -> Watchdog:
+    if os.getpgid(0) != os.getpid() or not hasattr(os, "pidfd_open"):
+        return Watchdog(None)
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(read_fd)
+        return Watchdog(write_fd)
+    # the watchdog: no Python cleanup, no signal handlers of the node
+    try:
+        os.close(write_fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pidfd = os.pidfd_open(parent)
+        said = b""
+        while True:
+            ready, _, _ = select.select([pidfd, read_fd], [], [])
+            if read_fd in ready:
+                chunk = os.read(read_fd, 16)
+                said += chunk
+                if said.startswith(GOODBYE):
+                    os._exit(0)
+                if not chunk:  # the node is gone without a goodbye
+                    break
+            if pidfd in ready:
+                break
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
