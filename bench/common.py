@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from islands.node.progress import format_table
+
 
 def machine() -> dict:
     import torch
@@ -32,7 +34,4 @@ def write(out: str | None, figures: dict) -> None:
 
 
 def table(rows: list[list[str]], head: list[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return format_table(head, rows)

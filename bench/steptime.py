@@ -10,7 +10,6 @@ import statistics
 import time
 
 import torch
-
 from islands.models.data import DataConfig, load_corpus
 from islands.models.transformer import Transformer
 from islands.node.config import TrainConfig

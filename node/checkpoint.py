@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from islands.protocols.manifest import describe_differences, manifest_differences
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from islands.protocols.manifest import describe_differences, manifest_differences
 
 FORMAT = 1
 TENSOR_FILES = ("global.safetensors", "local.safetensors", "outer.safetensors")

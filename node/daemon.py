@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from islands.models.data import load_corpus
 from islands.models.transformer import Transformer
 from islands.protocols.diloco import StreamingDiLoCo
@@ -25,15 +24,16 @@ from islands.protocols.manifest import build_manifest
 from . import checkpoint as ckpt_io
 from .config import Config
 from .events import EventLog, rotate
-from .progress import Progress
 from .network import ManifestMismatch, Network, NetworkError, write_maddr_file
+from .progress import Progress
 from .sync import FragmentSync
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-ROUND_TIMEOUT_S = 60.0
+ROUND_TIMEOUT_S = 150.0  # above the longest match wait (x2) plus the all-reduce timeout
+JOIN_TIMEOUT_S = 30.0
 OUTCOMES = ("ok", "solo", "failed", "skipped_no_contact", "rejected")
 
 
@@ -186,6 +186,16 @@ class Island:
         )
         if start_step:
             progress.note(f"resumed from {ckpt_io.checkpoint_dir(self.run_dir)} at step {start_step}")
+        caught_up = await self._catch_up(network, diloco, in_torch_thread, start_step, events, progress)
+        if caught_up is not None:
+            start_step = caught_up
+
+        def state_for_joiners(fragment: int) -> tuple[dict, list]:
+            round_, tensors = diloco.fragment_state(fragment)
+            meta = {"peer_id": network.peer_id, "step": network.status.step, "round": round_, "run_id": cfg.net.run_id}
+            return meta, tensors
+
+        network.averaging.share_state(state_for_joiners, priority=float(start_step))
 
         def on_sync(record: dict) -> None:
             totals[f"syncs_{record['outcome']}"] += 1
@@ -282,6 +292,56 @@ class Island:
             f"{totals['tokens']} tokens, syncs ok/solo/failed {totals['syncs_ok']}/{totals['syncs_solo']}/{totals['syncs_failed']}; checkpoint {path}"
         )
         return 0
+
+    async def _catch_up(self, network: Network, diloco: StreamingDiLoCo, in_torch_thread, step: int, events: EventLog, progress: Progress) -> int | None:
+        """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
+
+        Downloads every fragment's agreed values, outer momentum and round number
+        from the most advanced island that answers, starts the local model from
+        them, and continues at that island's step; None if there was nothing to catch up.
+        """
+        cfg = self.cfg
+        ahead = network.ahead()
+        if ahead is None or ahead[1] <= step + max(1, cfg.diloco.window // cfg.diloco.fragments):
+            return None
+        progress.note(f"the swarm is at step {ahead[1]}, this island at {step}: downloading its state")
+        started = time.monotonic()
+        got = []
+        for p in range(cfg.diloco.fragments):
+            item = await network.averaging.download(p, timeout_s=JOIN_TIMEOUT_S)
+            if item is None:
+                break
+            meta, tensors = item
+            try:
+                g, m = diloco.state_from_tensors(p, tensors)
+            except ValueError as e:
+                logger.warning("state from %s does not fit: %s", meta.get("peer_id"), e)
+                break
+            got.append((p, meta, g, m))
+        if len(got) < cfg.diloco.fragments:
+            # no usable state: take the swarm's step anyway; this island's first round of each
+            # fragment is then stale (it counts ~0) and the consensus round that follows fixes its base
+            progress.note("could not download the swarm's state; joining at its step with a stale base")
+            events.emit("join", step=ahead[1], state_from=None, seconds=round(time.monotonic() - started, 3), bytes=0)
+            return ahead[1]
+        params = dict(self.model.named_parameters())
+
+        def take() -> None:
+            for p, meta, g, m in got:
+                diloco.replace(p, g, m, round_=int(meta["round"]))
+                with torch.no_grad():
+                    for n, t in g.items():
+                        params[n].copy_(t)
+
+        await in_torch_thread(take)
+        new_step = min(int(meta["step"]) for _, meta, _, _ in got)
+        sources = [str(meta.get("peer_id")) for _, meta, _, _ in got]
+        size = sum(t.numel() * t.element_size() for _, _, g, m in got for t in (*g.values(), *m.values()))
+        seconds = time.monotonic() - started
+        # state_from: the island that gave fragment 0; sources: who gave each fragment
+        events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
+        progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
+        return new_step
 
     def _evaluate_global(self, trainer: Trainer, diloco: StreamingDiLoCo) -> float:
         """eval_loss of the agreed model: the fragments' global values in place of the local ones."""

@@ -70,17 +70,24 @@ def read_events(path: str | os.PathLike) -> list[dict]:
 
 
 class EventTail:
-    """Follows a growing event log, returning complete new events on each poll."""
+    """Follows a growing event log, returning complete new events on each poll.
+
+    When the log is rotated (a resumed node moves the old one aside), it starts
+    over on the new file: `events` are then the new run's."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._offset = 0
+        self._inode: int | None = None
         self.events: list[dict] = []
 
     def poll(self) -> list[dict]:
         """Every event so far (new ones appended)."""
         try:
             with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self._inode:
+                    self._inode, self._offset, self.events = inode, 0, []
                 f.seek(self._offset)
                 chunk = f.read()
         except FileNotFoundError:

@@ -83,6 +83,7 @@ class Network:
         self.averaging = FragmentAveraging(
             self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
             self.live_islands, AveragingTimeouts(match_wait_s=net.match_wait_s),
+            peer_steps=self.peer_steps, overlap=self.cfg.diloco.tau,
         )
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
@@ -113,6 +114,9 @@ class Network:
 
     async def refresh(self) -> None:
         """Publish this island's record (and the manifest), then read everyone's."""
+        if self.averaging is not None and self.status.state == "training":
+            for averager in self.averaging.averagers:
+                averager.state_sharing_priority = float(self.status.step)
         try:
             await self.dht.store_island(self.record())
             if self.status.state != "left":
@@ -129,6 +133,10 @@ class Network:
     def live(self) -> dict[str, IslandRecord]:
         return live_records(self.peers, dht_now())
 
+    def peer_steps(self) -> list[int]:
+        """The last published steps of the other live, training islands."""
+        return [r.step for p, r in self.live().items() if p != self.peer_id and r.role == "island" and r.state == "training"]
+
     def live_islands(self) -> int:
         """Islands (satellites excluded) that would take part in a round now, this one included."""
         others = [p for p, r in self.live().items() if p != self.peer_id and r.role == "island"]
@@ -144,6 +152,14 @@ class Network:
             await self.refresh()
             seen = self.live_islands()
         return seen
+
+    def ahead(self) -> tuple[str, int] | None:
+        """(peer, step) of the furthest training island other than this one, if any."""
+        others = [(r.step, p) for p, r in self.live().items() if p != self.peer_id and r.state == "training"]
+        if not others:
+            return None
+        step, peer = max(others)
+        return peer, step
 
     def choose_shard(self) -> int:
         return choose_shard(self.peer_id, {**self.live(), self.peer_id: self.record()}, self.cfg.data.num_shards)

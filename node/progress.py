@@ -7,6 +7,12 @@ import time
 from typing import TextIO
 
 
+def format_table(head: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart, a header line first."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [head, *rows])
+
+
 def format_rate(tokens_per_s: float) -> str:
     if tokens_per_s >= 1e6:
         return f"{tokens_per_s / 1e6:.2f}M"

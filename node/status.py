@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -10,7 +9,7 @@ from collections.abc import Mapping
 
 from islands.protocols.records import IslandRecord, live_records
 
-from .progress import format_rate
+from .progress import format_rate, format_table
 
 
 def lateness(records: Mapping[str, IslandRecord], window: int, fragments: int) -> dict[str, int]:
@@ -39,7 +38,6 @@ def render_table(manifest: dict | None, records: Mapping[str, IslandRecord], now
             peer[-12:], r.role, state, str(r.step), format_rate(r.tokens_per_s), f"{r.step_seconds:.3f}",
             str(r.batch_tokens), str(r.shard), syncs, f"{late[peer]} steps" if peer in late else "",
         ])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = []
     if manifest:
         lines.append(
@@ -47,8 +45,7 @@ def render_table(manifest: dict | None, records: Mapping[str, IslandRecord], now
             f"overlap {manifest.get('overlap')}, model {manifest.get('model', {}).get('n_layer')} layers"
         )
     lines.append(f"{len(live)} live island(s), {len(records) - len(live)} gone")
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+    lines.append(format_table(head, rows))
     return "\n".join(lines)
 
 

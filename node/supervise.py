@@ -4,9 +4,10 @@ hivemind's DHT and averagers are child processes, and p2pd is their child; a
 SIGKILL of the node would leave them running as a ghost peer that still
 answers. The watchdog is forked first thing; it waits for the node to exit
 and, unless the node said goodbye (a clean exit has already shut its
-children down), SIGKILLs the node's process group. It does this only when the
-node leads its own process group (a shell job, a systemd service, a test's
-`start_new_session`); otherwise there is no group of its own to take down.
+children down), SIGKILLs the node's process group. The node leads its own
+group as a shell job, a systemd service or a test's `start_new_session`; started
+by a script without job control it makes one; only inside a terminal's
+foreground pipeline does it go without (it must not leave the terminal's group).
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ class Watchdog:
 
 
 def start_watchdog() -> Watchdog:
-    if os.getpgid(0) != os.getpid() or not hasattr(os, "pidfd_open"):
+    if not hasattr(os, "pidfd_open"):
+        return Watchdog(None)
+    if os.getpgid(0) != os.getpid() and not os.isatty(0):
+        # started by a script without job control: lead a group of our own (no terminal's
+        # Ctrl-C to lose); on a terminal, stay in the shell's job and go without the watchdog
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            return Watchdog(None)
+    if os.getpgid(0) != os.getpid():
         return Watchdog(None)
     read_fd, write_fd = os.pipe()
     parent = os.getpid()

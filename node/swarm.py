@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .events import EventTail
+from .progress import format_table
 
 START_TIMEOUT_S = 90.0
 STOP_GRACE_S = 30.0
@@ -194,10 +195,7 @@ def final_table(islands: list[Island], wall_s: float) -> str:
             _bytes(sent), _bytes(sent / steps) if steps else "-", f"{summary.get('wall_seconds', 0):.1f}",
             str(island.proc.returncode),
         ])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    lines = [f"swarm finished in {wall_s:.1f}s", "  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return f"swarm finished in {wall_s:.1f}s\n" + format_table(head, rows)
 
 
 def _bytes(n: float) -> str:

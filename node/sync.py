@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import torch
-
 from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
 from islands.protocols.schedule import fragments_starting, next_sync_step, round_number
 
@@ -30,7 +29,9 @@ async def _call_inline(fn, *args):
 class Averager(Protocol):
     async def average(self, contribution: Contribution) -> RoundResult: ...
 
-    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict) -> tuple[dict, dict, int] | None: ...
+    async def consensus(
+        self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False
+    ) -> tuple[dict, dict, int] | None: ...
 
 
 class SoloAverager:
@@ -39,7 +40,7 @@ class SoloAverager:
     async def average(self, contribution: Contribution) -> RoundResult:
         return RoundResult(outcome="solo", delta=contribution.delta, group_size=1, weight=contribution.weight)
 
-    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict) -> None:
+    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False) -> None:
         return None
 
 
@@ -114,7 +115,7 @@ class FragmentSync:
         self.diloco.count(fragment, result.outcome)
         consensus = None
         if result.consensus:
-            consensus, extra_bytes = await self._consensus(fragment, c.round)
+            consensus, extra_bytes = await self._consensus(fragment, c.round, stale=c.staleness > 0)
             result.bytes_sent += extra_bytes
             result.bytes_recv += extra_bytes
         self.on_sync(
@@ -135,12 +136,12 @@ class FragmentSync:
             }
         )
 
-    async def _consensus(self, fragment: int, round_: int) -> tuple[str, int]:
+    async def _consensus(self, fragment: int, round_: int, stale: bool) -> tuple[str, int]:
         """The group's agreed values disagreed: average them (and the outer momentum) once more."""
         d = self.diloco
         try:
             got = await asyncio.wait_for(
-                self.averager.consensus(fragment, round_, d.globals[fragment], d.momentum[fragment]),
+                self.averager.consensus(fragment, round_, d.globals[fragment], d.momentum[fragment], stale=stale),
                 timeout=self.round_timeout_s,
             )
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep own values, retry next round

@@ -10,7 +10,6 @@ import math
 import time
 
 import torch
-
 from islands.models.data import Corpus, Split
 from islands.models.transformer import Transformer
 

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    Uniform8BitQuantization,
+)
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
@@ -34,7 +40,9 @@ from .diloco import Contribution, RoundResult
 
 logger = logging.getLogger(__name__)
 
-ROUND_BITS = 24  # the group key carries the round number modulo 2**24
+ROUND_BITS = 24
+STALE_WEIGHT = 1e-6
+"""hivemind needs a positive weight; a member whose base is stale takes part with this one."""  # the group key carries the round number modulo 2**24
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1 + 4 / BLOCK}
 
 
@@ -128,13 +136,25 @@ class AveragingTimeouts:
     """A peer that sends nothing for this long is dropped from the round."""
     request_s: float = 1.0
     """One matchmaking request."""
+    max_match_wait_s: float = 40.0
+    """The longest a round waits for the others after rounds that found nobody."""
 
 
 class IslandAverager(DecentralizedAverager):
     """hivemind's averager, with the group key and target size settable per round.
 
     Every island must use this class: hivemind names its RPCs after the class.
+    What a joiner downloads from it (`get_current_state`, run in the island's own
+    process) comes from `state_provider`, set by the island.
     """
+
+    state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+
+    def get_current_state(self):
+        if self.state_provider is None:
+            return None, [], None
+        metadata, tensors = self.state_provider()
+        return metadata, [t.detach().cpu().contiguous() for t in tensors], None
 
     def set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase) -> None:
         future = MPFuture()
@@ -162,9 +182,16 @@ class FragmentAveraging:
         compression: str,
         live_islands: Callable[[], int],
         timeouts: AveragingTimeouts = AveragingTimeouts(),
+        peer_steps: Callable[[], list[int]] = list,
+        overlap: int = 0,
     ):
         install_codec_fixes()
+        self.peer_steps = peer_steps
+        self.overlap = overlap
         self.timeouts = timeouts
+        self.wait_s = timeouts.match_wait_s
+        """The current match wait: doubled after a round that found nobody (up to max_match_wait_s),
+        so that an island that fell behind is waited for until it catches up; reset by a good round."""
         self.compression = compression
         self.codec = compression_codec(compression)
         self.live_islands = live_islands
@@ -184,6 +211,8 @@ class FragmentAveraging:
                 sender_timeout=timeouts.next_chunk_s / 2,
                 reducer_timeout=timeouts.next_chunk_s,
                 compression=compression_codec(compression),
+                allow_state_sharing=False,
+                declare_state_period=5,
                 shutdown_timeout=2,
             )
             for p, frag in enumerate(shapes)
@@ -194,15 +223,24 @@ class FragmentAveraging:
         expected = self.live_islands()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
+        if any(step > c.step + self.overlap for step in self.peer_steps()):
+            # another island has already applied this round (its record, however stale, says it is
+            # past it): nobody will come; skip it at once to catch up instead of waiting
+            return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         started = time.monotonic()
+        # a delta taken against a base the swarm no longer has must not count
+        weight = STALE_WEIGHT if c.staleness else c.weight
         gathered, delta = await self._allreduce(
-            c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=c.weight,
-            gather={"round": c.round, "step": c.step, "weight": c.weight, "fp": c.fingerprint},
+            c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=weight,
+            gather={"round": c.round, "step": c.step, "weight": weight, "fp": c.fingerprint, "stale": c.staleness},
             compression=self.codec,
         )
         seconds = time.monotonic() - started
         if gathered is None:
+            # the others are there (by their records) but not in this round: one of us is behind
+            self.wait_s = min(self.timeouts.max_match_wait_s, 2 * self.wait_s)
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
+        self.wait_s = self.timeouts.match_wait_s
         rounds = {m.get("round") for m in gathered.values()}
         if rounds != {c.round}:
             logger.warning("fragment %d: group mixed rounds %s; keeping own update", c.fragment, rounds)
@@ -211,14 +249,15 @@ class FragmentAveraging:
         return RoundResult(
             outcome="ok", delta=delta, group_size=len(gathered),
             weight=sum(float(m.get("weight", 0.0)) for m in gathered.values()),
-            bytes_sent=wire, bytes_recv=wire, seconds=seconds,
+            bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness,
             consensus=consensus_needed((m.get("fp", []) for m in gathered.values()), TOLERANCE[self.compression]),
         )
 
     async def consensus(
-        self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]
+        self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
+        stale: bool = False,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
-        """Average the agreed values and outer momentum themselves (equal weights).
+        """Average the agreed values and outer momentum themselves (equal weights; a stale member ~0).
 
         hivemind sends each member avg - own through the codec, so with compression
         the correction is as precise as the codec on the (small) drift.
@@ -230,7 +269,7 @@ class FragmentAveraging:
         out = []
         for phase, values in (("global", global_), ("momentum", momentum)):
             gathered, averaged = await self._allreduce(
-                fragment, round_group_bits(round_, phase), expected, values, weight=1.0,
+                fragment, round_group_bits(round_, phase), expected, values, weight=STALE_WEIGHT if stale else 1.0,
                 gather={"round": round_, "phase": phase}, compression=self.codec,
             )
             if gathered is None or {m.get("round") for m in gathered.values()} != {round_}:
@@ -247,7 +286,7 @@ class FragmentAveraging:
         averager, names = self.averagers[fragment], self.names[fragment]
         await asyncio.to_thread(self._load, averager, names, values)
         await asyncio.to_thread(averager.set_round, group_bits, expected, compression)
-        wait_s = self.timeouts.match_wait_s
+        wait_s = self.wait_s
         control = await asyncio.to_thread(
             averager.step, gather=gather, weight=max(weight, 1e-6), scheduled_time=get_dht_time() + wait_s,
             timeout=wait_s + 2 * self.timeouts.request_s, wait=False,
@@ -275,6 +314,25 @@ class FragmentAveraging:
     def _read(averager: IslandAverager, names: list[str]) -> dict[str, torch.Tensor]:
         with averager.get_tensors() as tensors:
             return {n: t.detach().clone() for t, n in zip(tensors, names, strict=True)}
+
+    def share_state(self, provider: Callable[[int], tuple[dict, list[torch.Tensor]]], priority: float) -> None:
+        """Let joiners download each fragment's state from this island; higher priority is asked first."""
+        for p, averager in enumerate(self.averagers):
+            averager.state_provider = (lambda p=p: provider(p))
+            averager.state_sharing_priority = priority
+            averager.allow_state_sharing = True
+
+    async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """One fragment's (metadata, tensors) from the island of highest priority that answers, or None."""
+        averager = self.averagers[fragment]
+        try:
+            got = await asyncio.wait_for(asyncio.to_thread(averager.load_state_from_peers, True, timeout_s), timeout=timeout_s + 5)
+        except Exception as e:  # noqa: BLE001 - no donor, a donor gone: no state
+            logger.info("fragment %d: state download failed: %r", fragment, e)
+            return None
+        if not got or not isinstance(got[0], dict):
+            return None
+        return got[0], list(got[1])
 
     def shutdown(self) -> None:
         for averager in self.averagers:

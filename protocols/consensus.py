@@ -37,7 +37,7 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], tol: float) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b, strict=True))
 
 
 def consensus_needed(fingerprints: Iterable[Sequence[float]], tol: float) -> bool:

@@ -74,6 +74,9 @@ class Contribution:
     weight: float
     fingerprint: list[float] = dataclasses.field(default_factory=list)
     """Of the agreed values the delta was taken against (see consensus.py)."""
+    staleness: int = 0
+    """Rounds of this fragment the island missed (it joined, restarted or was cut off):
+    its base is not the swarm's, so its delta must not count (see FragmentAveraging)."""
 
 
 @dataclasses.dataclass
@@ -130,7 +133,10 @@ class StreamingDiLoCo:
         weight = token_weight(counters.tokens_since_sync)
         counters.tokens_since_sync = 0
         fp = fingerprint([g[n] for n in self.layout[fragment]])
-        return Contribution(fragment=fragment, round=round_, step=step, delta=delta, weight=weight, fingerprint=fp)
+        staleness = max(0, round_ - counters.round - 1)
+        return Contribution(
+            fragment=fragment, round=round_, step=step, delta=delta, weight=weight, fingerprint=fp, staleness=staleness
+        )
 
     def apply(self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
         """Outer step on global_p with the averaged delta, then mix local_p towards it (in place)."""
@@ -141,11 +147,33 @@ class StreamingDiLoCo:
                 params[n].copy_(mix(params[n], g[n], cfg.alpha))
         self.counters[fragment].round = round_
 
-    def replace(self, fragment: int, global_: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> None:
-        """Take the group's consensus for this fragment's agreed values and outer momentum."""
+    def replace(
+        self, fragment: int, global_: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], round_: int | None = None
+    ) -> None:
+        """Take the swarm's agreed values and outer momentum for this fragment (a consensus, a download)."""
         for n in self.layout[fragment]:
             self.globals[fragment][n] = global_[n].to(torch.float32).clone()
             self.momentum[fragment][n] = momentum[n].to(torch.float32).clone()
+        if round_ is not None:
+            self.counters[fragment].round = round_
+            self.counters[fragment].tokens_since_sync = 0
+
+    def fragment_state(self, fragment: int) -> tuple[int, list[torch.Tensor]]:
+        """(last applied round, agreed values then momentum in layout order): what a joiner downloads."""
+        names = self.layout[fragment]
+        return self.counters[fragment].round, [self.globals[fragment][n] for n in names] + [self.momentum[fragment][n] for n in names]
+
+    def state_from_tensors(self, fragment: int, tensors: Sequence[torch.Tensor]) -> tuple[dict, dict]:
+        """Split a downloaded tensor list back into (agreed values, momentum) by name; ValueError if it does not fit."""
+        names = self.layout[fragment]
+        if len(tensors) != 2 * len(names):
+            raise ValueError(f"fragment {fragment}: got {len(tensors)} tensors, expected {2 * len(names)}")
+        g = dict(zip(names, tensors[: len(names)], strict=True))
+        m = dict(zip(names, tensors[len(names) :], strict=True))
+        for n in names:
+            if g[n].shape != self.globals[fragment][n].shape or m[n].shape != g[n].shape:
+                raise ValueError(f"fragment {fragment}: {n} has shape {tuple(g[n].shape)}, expected {tuple(self.globals[fragment][n].shape)}")
+        return g, m
 
     def count(self, fragment: int, outcome: str) -> None:
         syncs = self.counters[fragment].syncs

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.consensus import fingerprint
 from islands.protocols.dht import SwarmDHT
@@ -98,6 +97,7 @@ def test_int8_averages_the_whole_vector(pair):
     ra, rb = _both(a, b, ca, cb)
     assert ra.outcome == "ok"
     mean = (ca.delta["w"] + cb.delta["w"]) / 2
-    # every element moved to (close to) the mean; none left at a local value
-    assert (ra.delta["w"] - mean).abs().mean() < 0.05
-    assert (ra.delta["w"] - ca.delta["w"]).abs().min() < 1 and ((ra.delta["w"] - ca.delta["w"]).abs() > 1e-6).float().mean() > 0.99
+    # every element moved to (within the codec's step of) the mean; no slice left at local values
+    err = (ra.delta["w"] - mean).abs()
+    assert err.max() < 0.05, err.max()
+    assert ((ra.delta["w"] - ca.delta["w"]).abs() > 0.05).float().mean() > 0.9

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from islands.node import checkpoint as ck
 
 

@@ -5,8 +5,15 @@ import argparse
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from islands.node.config import ConfigError, Option, add_arguments, build_config, coerce, options, read_toml
+from islands.node.config import (
+    ConfigError,
+    Option,
+    add_arguments,
+    build_config,
+    coerce,
+    options,
+    read_toml,
+)
 
 
 def _parse(argv):

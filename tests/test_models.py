@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from islands.models.data import DataConfig, corpus_files, load_corpus
 from islands.models.transformer import MODEL_SIZES, Transformer, model_config
 

@@ -4,7 +4,6 @@ import json
 import signal
 
 import pytest
-
 from islands.node.cli import main
 from islands.protocols.schedule import fragment_offset
 

@@ -2,10 +2,15 @@
 
 import pytest
 import torch
-
 from islands.protocols.diloco import DiLoCoConfig, StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
-from islands.protocols.outer import mix, nesterov_outer_step, pseudo_gradient, token_weight, weighted_average
+from islands.protocols.outer import (
+    mix,
+    nesterov_outer_step,
+    pseudo_gradient,
+    token_weight,
+    weighted_average,
+)
 from islands.protocols.schedule import (
     check_schedule,
     default_overlap,

@@ -3,7 +3,6 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from islands.node.status import lateness, render_table
 from islands.protocols.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
 from islands.protocols.records import IslandRecord, choose_shard, live_records, parse_island_record

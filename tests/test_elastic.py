@@ -1,0 +1,53 @@
+"""Islands come and go mid-run: a late joiner takes the swarm's state, a killed island is
+routed around, a restarted one catches up. Real processes, real SIGKILLs."""
+
+import json
+
+import pytest
+
+from .test_swarm import SCHEDULE, _first, _max_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _step_at_least(n):
+    return lambda e: e["event"] == "step" and e["step"] >= n
+
+
+def test_join_mid_run_and_survive_a_crash(nodes, tmp_path):
+    common = [*SCHEDULE, "--steps", "160", "--run-id", "elastic", "--match-wait-s", "3"]
+    a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "2"])
+    b = nodes([*common, "--wait-islands", "2", "--join", join], tmp_path / "b", name="b")
+    a.wait_for(_step_at_least(41), 120, "A past step 40")
+    c = nodes([*common, "--join", join], tmp_path / "c", name="c")
+    joined = c.wait_for(lambda e: e["event"] == "join", 120, "C's join event")
+    assert joined["step"] > 40 and joined["state_from"] in (a.of("started")[0]["peer_id"], b.of("started")[0]["peer_id"])
+    assert joined["bytes"] > 0
+    b.wait_for(_step_at_least(joined["step"] + 25), 120, "B well after the join")
+    b.kill_tree()
+    killed_at = max(a.steps())
+    for node in (a, c):
+        assert node.wait_exit(200) == 0, node.stderr()
+    assert c.steps()[0] == joined["step"] + 1
+    # after B is gone (and no longer waited for), A and C average every fragment together
+    late = [s for s in a.of("sync") if s["step"] > killed_at + 20]
+    assert late and all(s["outcome"] == "ok" and s["group_size"] == 2 for s in late), late
+    assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "c" / "checkpoint" / "global.safetensors") < 1e-4
+
+
+def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_path):
+    common = [*SCHEDULE, "--steps", "300", "--run-id", "restart", "--match-wait-s", "3"]
+    a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "2"])
+    b = nodes([*common, "--wait-islands", "2", "--join", join], tmp_path / "b", name="b")
+    b.wait_for(_step_at_least(50), 120, "B at step 50")
+    b.kill_tree()
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"]
+    a.wait_for(_step_at_least(saved + 40), 120, "A well ahead")
+    again = nodes([*common, "--join", join], tmp_path / "b", name="b-again")
+    joined = again.wait_for(lambda e: e["event"] == "join", 120, "the restarted island's catch-up")
+    assert again.of("started")[0]["resumed_step"] == saved and joined["step"] > saved + 20
+    for node in (a, again):
+        assert node.wait_exit(200) == 0, node.stderr()
+    assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "b" / "checkpoint" / "global.safetensors") < 1e-4
+    tail = [s for s in again.of("sync") if s["step"] >= 260]
+    assert tail and all(s["outcome"] == "ok" for s in tail)
