@@ -99,6 +99,10 @@ class Island:
             )
         shapes = dict((n, tuple(p.shape)) for n, p in self.model.named_parameters())
         self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]
+        try:  # before the network starts: bad data is a start-up error like any other
+            self.corpus = load_corpus(cfg.data, cfg.train.seq_len)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
 
     async def run(
         self, shutdown: Shutdown, announce: Callable[[str], None] = print, ready: Callable[[], None] = lambda: None
@@ -136,10 +140,7 @@ class Island:
         def in_torch_thread(fn, *args):
             return loop.run_in_executor(torch_thread, fn, *args)
 
-        try:
-            corpus = await in_torch_thread(load_corpus, cfg.data, cfg.train.seq_len)
-        except ValueError as e:
-            raise StartupError(str(e)) from None
+        corpus = self.corpus
         params = dict(self.model.named_parameters())
         diloco = StreamingDiLoCo(cfg.diloco, self.layout, params)
         totals = _new_totals()
