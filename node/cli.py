@@ -97,7 +97,10 @@ def _check_config(argv: list[str], environ: dict) -> int:
 def _setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # hivemind reports every failed round as an ERROR with a traceback; the event log says it better
+    # hivemind reports every failed round as an ERROR with a traceback; the event log says it better.
+    # It sets its own level when first imported, so import it first.
+    import hivemind  # noqa: F401
+
     logging.getLogger("hivemind").setLevel(logging.CRITICAL if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
 
 

@@ -198,6 +198,8 @@ class Island:
 
         network.averaging.share_state(state_for_joiners, priority=float(start_step))
 
+        refreshes: set[asyncio.Future] = set()
+
         def on_sync(record: dict) -> None:
             totals[f"syncs_{record['outcome']}"] += 1
             totals["bytes_sent"] += record["bytes_sent"]
@@ -206,6 +208,9 @@ class Island:
                 "step": record["step"], "outcome": record["outcome"], "group_size": record["group_size"],
             }
             events.emit("sync", **record)
+            # tell the swarm at once: an island that fell behind reads this to skip the round
+            refreshes.add(asyncio.ensure_future(network.refresh()))
+            refreshes.difference_update({t for t in refreshes if t.done()})
 
         sync = FragmentSync(diloco, network.averaging, params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread)
         checkpoint_every = cfg.output.checkpoint_every or cfg.diloco.window

@@ -55,13 +55,15 @@ class Network:
         self.averaging: FragmentAveraging | None = None
         self.peers: dict[str, IslandRecord] = {}
         self._task: asyncio.Task | None = None
+        self._maddrs: list[str] = []
 
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id
 
     def maddrs(self) -> list[str]:
-        return self.dht.visible_maddrs()
+        """As read once at start: asking the DHT process again blocks, with no bound, while it is busy."""
+        return list(self._maddrs)
 
     async def start(self) -> None:
         net = self.cfg.net
@@ -73,6 +75,8 @@ class Network:
         except Exception as e:  # noqa: BLE001 - hivemind raises many kinds; all mean "cannot start"
             joined = f" via {', '.join(net.join)}" if net.join else ""
             raise NetworkError(f"cannot start the DHT{joined}: {e}") from None
+        self._maddrs = await asyncio.wait_for(asyncio.to_thread(self.dht.visible_maddrs), timeout=30)
+        _ = self.dht.peer_id  # cached by hivemind after the first call
         if net.identity:
             try:
                 os.chmod(net.identity, 0o600)
@@ -83,7 +87,7 @@ class Network:
         self.averaging = FragmentAveraging(
             self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
             self.live_islands, AveragingTimeouts(match_wait_s=net.match_wait_s),
-            peer_steps=self.peer_steps, overlap=self.cfg.diloco.tau,
+            peer_progress=self.peer_progress, refresh_peers=self.refresh, overlap=self.cfg.diloco.tau,
         )
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
@@ -133,9 +137,14 @@ class Network:
     def live(self) -> dict[str, IslandRecord]:
         return live_records(self.peers, dht_now())
 
-    def peer_steps(self) -> list[int]:
-        """The last published steps of the other live, training islands."""
-        return [r.step for p, r in self.live().items() if p != self.peer_id and r.role == "island" and r.state == "training"]
+    def peer_progress(self, fragment: int) -> list[tuple[int, int]]:
+        """(step, start step of the last round applied to `fragment`) of the other live, training islands."""
+        out = []
+        for p, r in self.live().items():
+            if p != self.peer_id and r.role == "island" and r.state == "training":
+                last = r.last_sync[fragment] if fragment < len(r.last_sync) else {}
+                out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
+        return out
 
     def live_islands(self) -> int:
         """Islands (satellites excluded) that would take part in a round now, this one included."""

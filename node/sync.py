@@ -34,16 +34,6 @@ class Averager(Protocol):
     ) -> tuple[dict, dict, int] | None: ...
 
 
-class SoloAverager:
-    """No peers: every round is the island's own pseudo-gradient."""
-
-    async def average(self, contribution: Contribution) -> RoundResult:
-        return RoundResult(outcome="solo", delta=contribution.delta, group_size=1, weight=contribution.weight)
-
-    async def consensus(self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False) -> None:
-        return None
-
-
 @dataclasses.dataclass
 class Pending:
     contribution: Contribution
@@ -126,7 +116,8 @@ class FragmentSync:
                 "round": c.round,
                 "outcome": result.outcome,
                 "group_size": result.group_size,
-                "weight": c.weight,
+                # a stale base counted ~0 in the group (see FragmentAveraging)
+                "weight": 0.0 if c.staleness and result.outcome == "ok" else c.weight,
                 "group_weight": result.weight,
                 "bytes_sent": result.bytes_sent,
                 "bytes_recv": result.bytes_recv,

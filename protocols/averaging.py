@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import torch
@@ -182,11 +182,13 @@ class FragmentAveraging:
         compression: str,
         live_islands: Callable[[], int],
         timeouts: AveragingTimeouts = AveragingTimeouts(),
-        peer_steps: Callable[[], list[int]] = list,
+        peer_progress: Callable[[int], list[tuple[int, int]]] | None = None,
+        refresh_peers: Callable[[], Awaitable[None]] | None = None,
         overlap: int = 0,
     ):
         install_codec_fixes()
-        self.peer_steps = peer_steps
+        self.peer_progress = peer_progress or (lambda fragment: [])
+        self.refresh_peers = refresh_peers
         self.overlap = overlap
         self.timeouts = timeouts
         self.wait_s = timeouts.match_wait_s
@@ -220,12 +222,15 @@ class FragmentAveraging:
 
     async def average(self, contribution: Contribution) -> RoundResult:
         c = contribution
+        if self.refresh_peers is not None and self.wait_s > self.timeouts.match_wait_s:
+            await self.refresh_peers()  # the last round found nobody: look again before waiting
         expected = self.live_islands()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
-        if any(step > c.step + self.overlap for step in self.peer_steps()):
-            # another island has already applied this round (its record, however stale, says it is
-            # past it): nobody will come; skip it at once to catch up instead of waiting
+        if any(step > c.step + self.overlap or last >= c.step for step, last in self.peer_progress(c.fragment)):
+            # another island has already applied this round (its record says so): nobody will
+            # come; skip it at once to catch up instead of waiting
+            self.wait_s = self.timeouts.match_wait_s
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         started = time.monotonic()
         # a delta taken against a base the swarm no longer has must not count
