@@ -11,14 +11,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from islands.node.events import read_events
+from islands.node.events import EventTail
 from islands.node.swarm import SwarmConfig, run_swarm
 
 from .common import table, write
 
 
 def summarize(folder: Path) -> dict:
-    ev = read_events(folder / "events.jsonl")
+    ev = EventTail.read(folder / "events.jsonl")
     syncs = [e for e in ev if e["event"] == "sync"]
     summary = next(e for e in reversed(ev) if e["event"] == "summary")
     started = next(e for e in ev if e["event"] == "started")

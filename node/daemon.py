@@ -97,8 +97,8 @@ class Island:
                 f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} was trained with --inner-opt "
                 f"{self.resume.inner_opt}, not {cfg.train.inner_opt}; use the same or another --run-dir"
             )
-        shapes = dict((n, tuple(p.shape)) for n, p in self.model.named_parameters())
-        self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]  # per fragment, for the averagers
         try:  # before the network starts: bad data is a start-up error like any other
             self.corpus = load_corpus(cfg.data, cfg.train.seq_len)
         except ValueError as e:

@@ -57,18 +57,6 @@ class EventLog:
             self._file = None
 
 
-def read_events(path: str | os.PathLike) -> list[dict]:
-    """All complete events of a log (a torn last line is skipped)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 class EventTail:
     """Follows a growing event log, returning complete new events on each poll.
 
@@ -100,6 +88,13 @@ class EventTail:
             except json.JSONDecodeError:
                 continue
         return self.events
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> list[dict]:
+        """All complete events of a log as it is now (a torn last line is skipped)."""
+        if not Path(path).exists():
+            raise FileNotFoundError(path)
+        return cls(path).poll()
 
     def last(self, kind: str) -> dict | None:
         return next((e for e in reversed(self.events) if e["event"] == kind), None)

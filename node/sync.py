@@ -22,10 +22,6 @@ from islands.protocols.schedule import fragments_starting, next_sync_step, round
 logger = logging.getLogger(__name__)
 
 
-async def _call_inline(fn, *args):
-    return fn(*args)
-
-
 class Averager(Protocol):
     async def average(self, contribution: Contribution) -> RoundResult: ...
 
@@ -50,7 +46,7 @@ class FragmentSync:
         params: Mapping[str, torch.Tensor],
         on_sync: Callable[[dict], None],
         round_timeout_s: float,
-        run_torch: Callable[..., Awaitable] | None = None,
+        run_torch: Callable[..., Awaitable],
         clock: Callable[[], float] = time.monotonic,
     ):
         self.diloco = diloco
@@ -59,7 +55,7 @@ class FragmentSync:
         self.on_sync = on_sync
         self.round_timeout_s = round_timeout_s
         self._clock = clock
-        self._run_torch = run_torch or _call_inline
+        self._run_torch = run_torch
         self.pending: dict[int, Pending] = {}
 
     @property
