@@ -23,6 +23,7 @@ from islands.protocols.manifest import build_manifest
 
 from . import checkpoint as ckpt_io
 from .config import Config
+from .contact import ContactClock
 from .events import EventLog, rotate
 from .network import ManifestMismatch, Network, NetworkError, write_maddr_file
 from .progress import Progress
@@ -112,7 +113,9 @@ class Island:
         `ready` is called once the network is up (hivemind resets SIGINT as it starts,
         so that is when the caller should install its signal handlers).
         """
-        network = Network(self.cfg, self.manifest, self.shapes, VERSION)
+        # a satellite's contact windows count from the node's start
+        contact = ContactClock(self.cfg.net.contact) if self.cfg.net.role == "satellite" else None
+        network = Network(self.cfg, self.manifest, self.shapes, VERSION, contact)
         try:
             try:
                 await network.start()
@@ -142,7 +145,8 @@ class Island:
 
         corpus = self.corpus
         params = dict(self.model.named_parameters())
-        diloco = StreamingDiLoCo(cfg.diloco, self.layout, params)
+        satellite = network.contact is not None
+        diloco = StreamingDiLoCo(cfg.diloco, self.layout, params, satellite=satellite)
         totals = _new_totals()
         start_step = 0
         if self.resume is not None:
@@ -196,7 +200,8 @@ class Island:
             meta = {"peer_id": network.peer_id, "step": network.status.step, "round": round_, "run_id": cfg.net.run_id}
             return meta, tensors
 
-        network.averaging.share_state(state_for_joiners, priority=float(start_step))
+        if not satellite:  # a satellite's agreed values are stale by design: joiners take an island's
+            network.averaging.share_state(state_for_joiners, priority=float(start_step))
 
         refreshes: set[asyncio.Future] = set()
 
@@ -212,7 +217,9 @@ class Island:
             refreshes.add(asyncio.ensure_future(network.refresh()))
             refreshes.difference_update({t for t in refreshes if t.done()})
 
-        sync = FragmentSync(diloco, network.averaging, params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread)
+        can_round = (lambda: network.contact.can_round(network.round_budget_s)) if satellite else None
+        sync = FragmentSync(diloco, network.averaging, params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread, can_round=can_round)
+        was_in_contact = None
         checkpoint_every = cfg.output.checkpoint_every or cfg.diloco.window
         last_checkpoint = start_step
         recent_losses: deque[float] = deque(maxlen=10)
@@ -248,6 +255,17 @@ class Island:
                 if shutdown.is_set():
                     reason = shutdown.reason or "shutdown"
                     break
+                if satellite:
+                    in_contact = network.contact.in_contact()
+                    if in_contact != was_in_contact:
+                        was_in_contact = in_contact
+                        events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(network.contact.remaining_s(), 3))
+                        if in_contact:  # tell the islands at once, so that they wait for this satellite
+                            refreshes.add(asyncio.ensure_future(network.refresh()))
+                    if in_contact and sync.quiet:
+                        step = self._align(step, network, events)
+                        if step >= cfg.train.steps:
+                            break
                 stats = await in_torch_thread(trainer.step, step + 1)
                 step += 1
                 totals["tokens"] += stats.tokens
@@ -269,7 +287,9 @@ class Island:
                 network.status.next_sync = sync.next_syncs(step)
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
-            await sync.flush(step)
+            # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
+            await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
+            await network.withdraw()
             path = await in_torch_thread(save)
             eval_loss = await in_torch_thread(trainer.evaluate)
             global_eval_loss = await in_torch_thread(self._evaluate_global, trainer, diloco)
@@ -348,6 +368,16 @@ class Island:
         events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
         progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
         return new_step
+
+    def _align(self, step: int, network: Network, events: EventLog) -> int:
+        """A satellite in contact moves its step counter to the islands' (it trains at its own
+        pace, and rounds are matched by step): the step it should be at now."""
+        target = network.swarm_step()
+        if target is None or abs(target - step) <= self.cfg.diloco.tau:
+            return step
+        target = min(target, self.cfg.train.steps)
+        events.emit("align", step=step, to_step=target)
+        return target
 
     def _evaluate_global(self, trainer: Trainer, diloco: StreamingDiLoCo) -> float:
         """eval_loss of the agreed model: the fragments' global values in place of the local ones."""

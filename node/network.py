@@ -16,9 +16,10 @@ from pathlib import Path
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.dht import SwarmDHT, dht_now
 from islands.protocols.manifest import describe_differences, manifest_differences
-from islands.protocols.records import REFRESH_S, IslandRecord, choose_shard, live_records
+from islands.protocols.records import REFRESH_S, IslandRecord, choose_shard, expected_group, live_records
 
 from .config import Config
+from .contact import ContactClock
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ class Status:
 
 
 class Network:
-    def __init__(self, cfg: Config, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]], version: str):
+    def __init__(
+        self, cfg: Config, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]], version: str,
+        contact: ContactClock | None = None,
+    ):
         self.cfg = cfg
+        self.contact = contact
+        """A satellite's contact windows: out of contact it neither publishes nor reads records."""
         self.manifest = manifest
         self.shapes = shapes
         self.version = version
@@ -86,7 +92,7 @@ class Network:
         # in the main thread: hivemind's averagers set signal handlers as they start
         self.averaging = FragmentAveraging(
             self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
-            self.live_islands, AveragingTimeouts(match_wait_s=net.match_wait_s),
+            self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
             peer_progress=self.peer_progress, refresh_peers=self.refresh, overlap=self.cfg.diloco.tau,
         )
         await self.refresh()
@@ -114,11 +120,24 @@ class Network:
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
             version=self.version, time=dht_now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
+            contact_until=self._contact_until(),
         )
+
+    def _contact_until(self) -> float | None:
+        if self.contact is None or not self.contact.in_contact():
+            return None
+        return dht_now() + min(self.contact.remaining_s(), 1e9)
+
+    @property
+    def round_budget_s(self) -> float:
+        """The contact a satellite needs left to take part in a round (islands stop counting it then)."""
+        return self.cfg.net.match_wait_s + 2.0
 
     async def refresh(self) -> None:
         """Publish this island's record (and the manifest), then read everyone's."""
-        if self.averaging is not None and self.status.state == "training":
+        if self.contact is not None and not self.contact.in_contact() and self.status.state != "left":
+            return  # a satellite out of contact reaches nobody
+        if self.averaging is not None and self.status.state == "training" and self.contact is None:
             for averager in self.averaging.averagers:
                 averager.state_sharing_priority = float(self.status.step)
         try:
@@ -146,6 +165,20 @@ class Network:
                 out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
         return out
 
+    def expected_group(self) -> int:
+        """Members a round waits for: this node, live islands, satellites in contact for a round more."""
+        return expected_group(self.peer_id, self.live(), dht_now(), self.round_budget_s)
+
+    def swarm_step(self) -> int | None:
+        """The furthest live island's step now, extrapolated from its record by its step time."""
+        now, best = dht_now(), None
+        for p, r in self.live().items():
+            if p == self.peer_id or r.role != "island" or r.state != "training":
+                continue
+            guess = r.step + (int(max(0.0, now - r.time) / r.step_seconds) if r.step_seconds > 0 else 0)
+            best = guess if best is None else max(best, guess)
+        return best
+
     def live_islands(self) -> int:
         """Islands (satellites excluded) that would take part in a round now, this one included."""
         others = [p for p, r in self.live().items() if p != self.peer_id and r.role == "island"]
@@ -163,8 +196,8 @@ class Network:
         return seen
 
     def ahead(self) -> tuple[str, int] | None:
-        """(peer, step) of the furthest training island other than this one, if any."""
-        others = [(r.step, p) for p, r in self.live().items() if p != self.peer_id and r.state == "training"]
+        """(peer, step) of the furthest training island (not satellite) other than this one, if any."""
+        others = [(r.step, p) for p, r in self.live().items() if p != self.peer_id and r.state == "training" and r.role == "island"]
         if not others:
             return None
         step, peer = max(others)
@@ -173,6 +206,16 @@ class Network:
     def choose_shard(self) -> int:
         return choose_shard(self.peer_id, {**self.live(), self.peer_id: self.record()}, self.cfg.data.num_shards)
 
+    async def withdraw(self) -> None:
+        """Mark this island's record as left (once), so that nobody waits for it any more."""
+        if self.dht is None or self.status.state == "left":
+            return
+        self.status.state = "left"
+        try:
+            await asyncio.wait_for(self.dht.store_island(self.record()), timeout=3)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort on the way out
+            logger.info("could not withdraw the island record: %r", e)
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -180,12 +223,7 @@ class Network:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
-        if self.dht is not None:
-            self.status.state = "left"
-            try:
-                await asyncio.wait_for(self.dht.store_island(self.record()), timeout=3)
-            except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort on the way out
-                logger.info("could not withdraw the island record: %r", e)
+        await self.withdraw()
         if self.averaging is not None:
             await asyncio.to_thread(self.averaging.shutdown)
         if self.dht is not None:

@@ -48,7 +48,10 @@ class FragmentSync:
         round_timeout_s: float,
         run_torch: Callable[..., Awaitable],
         clock: Callable[[], float] = time.monotonic,
+        can_round: Callable[[], bool] | None = None,
     ):
+        """`can_round` (satellites): whether the contact window allows a round now; a round that
+        cannot start is logged `skipped_no_contact` and the satellite keeps accumulating."""
         self.diloco = diloco
         self.averager = averager
         self.params = params
@@ -56,6 +59,7 @@ class FragmentSync:
         self.round_timeout_s = round_timeout_s
         self._clock = clock
         self._run_torch = run_torch
+        self.can_round = can_round
         self.pending: dict[int, Pending] = {}
 
     @property
@@ -84,26 +88,55 @@ class FragmentSync:
             logger.warning("fragment %d: round still pending at step %d, skipping", fragment, step)
             return
         round_ = round_number(step, self.diloco.cfg.window)
+        if self.can_round is not None and not self.can_round():
+            self._skipped_no_contact(fragment, round_, step)
+            return
         c = await self._run_torch(self.diloco.contribution, fragment, round_, step, self.params)
         task = asyncio.ensure_future(self.averager.average(c))
         self.pending[fragment] = Pending(c, step + self.diloco.cfg.tau, task, self._clock())
 
-    async def _finish(self, fragment: int, step: int) -> None:
+    def _skipped_no_contact(self, fragment: int, round_: int, step: int) -> None:
+        d = self.diloco
+        d.count(fragment, "skipped_no_contact")
+        self.on_sync(
+            {
+                "fragment": fragment, "step": step, "applied_step": step, "round": round_,
+                "outcome": "skipped_no_contact", "policy": "accumulate", "group_size": 0,
+                "weight": 0.0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
+                "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None,
+            }
+        )
+
+    async def _finish(self, fragment: int, step: int, deadline: float | None = None) -> None:
+        """Wait for the round (bounded by the round timeout, and by `deadline` when leaving) and apply it."""
         pend = self.pending.pop(fragment)
         c = pend.contribution
         remaining_s = max(0.0, self.round_timeout_s - (self._clock() - pend.started))
+        if deadline is not None:
+            remaining_s = min(remaining_s, max(0.0, deadline - self._clock()))
         try:
             result = await asyncio.wait_for(pend.task, timeout=remaining_s)
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - any failure falls back to solo
-            logger.warning("fragment %d round %d failed: %r; applying own update", fragment, c.round, e)
+            logger.warning("fragment %d round %d failed: %r", fragment, c.round, e)
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
-        await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params)
-        self.diloco.count(fragment, result.outcome)
+        accumulate = self.diloco.satellite and result.outcome != "ok"
         consensus = None
-        if result.consensus:
-            consensus, extra_bytes = await self._consensus(fragment, c.round, stale=c.staleness > 0)
-            result.bytes_sent += extra_bytes
-            result.bytes_recv += extra_bytes
+        if accumulate:
+            # a satellite does not apply its own update alone: it contributes it at its next round
+            self.diloco.keep_accumulating(c)
+            policy = "accumulate"
+        else:
+            # a stale member's base is about to be replaced by the group's: mix after that
+            late_mix = bool(result.consensus and c.staleness)
+            await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params, not late_mix)
+            policy = "averaged" if result.outcome == "ok" else "own_update"
+            if result.consensus and deadline is None:  # leaving: the others heal without this island
+                consensus, extra_bytes = await self._consensus(fragment, c.round, stale=c.staleness > 0)
+                result.bytes_sent += extra_bytes
+                result.bytes_recv += extra_bytes
+            if late_mix:
+                await self._run_torch(self.diloco.mix_local, fragment, self.params)
+        self.diloco.count(fragment, result.outcome)
         self.on_sync(
             {
                 "fragment": fragment,
@@ -111,9 +144,9 @@ class FragmentSync:
                 "applied_step": step,
                 "round": c.round,
                 "outcome": result.outcome,
+                "policy": policy,
                 "group_size": result.group_size,
-                # a stale base counted ~0 in the group (see FragmentAveraging)
-                "weight": 0.0 if c.staleness and result.outcome == "ok" else c.weight,
+                "weight": c.weight,
                 "group_weight": result.weight,
                 "bytes_sent": result.bytes_sent,
                 "bytes_recv": result.bytes_recv,
@@ -141,7 +174,9 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
-    async def flush(self, step: int) -> None:
-        """Finish every round in flight now (bounded by the round timeout) and apply it."""
+    async def flush(self, step: int, budget_s: float | None = None) -> None:
+        """Finish every round in flight now and apply it; with `budget_s` (leaving), rounds not
+        done within that many seconds in all are abandoned (`failed`, own update applied)."""
+        deadline = None if budget_s is None else self._clock() + budget_s
         for p in sorted(self.pending):
-            await self._finish(p, step)
+            await self._finish(p, step, deadline)

@@ -180,7 +180,7 @@ class FragmentAveraging:
         run_id: str,
         shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
         compression: str,
-        live_islands: Callable[[], int],
+        expected_group: Callable[[], int],
         timeouts: AveragingTimeouts = AveragingTimeouts(),
         peer_progress: Callable[[int], list[tuple[int, int]]] | None = None,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
@@ -196,7 +196,8 @@ class FragmentAveraging:
         so that an island that fell behind is waited for until it catches up; reset by a good round."""
         self.compression = compression
         self.codec = compression_codec(compression)
-        self.live_islands = live_islands
+        self.expected_group = expected_group
+        """How many members a round should wait for: live islands and satellites in contact."""
         self.names = [[n for n, _ in frag] for frag in shapes]
         self.num_values = [sum(int(torch.Size(s).numel()) for _, s in frag) for frag in shapes]
         self.averagers = [
@@ -224,7 +225,7 @@ class FragmentAveraging:
         c = contribution
         if self.refresh_peers is not None and self.wait_s > self.timeouts.match_wait_s:
             await self.refresh_peers()  # the last round found nobody: look again before waiting
-        expected = self.live_islands()
+        expected = self.expected_group()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
         if any(step > c.step + self.overlap or last >= c.step for step, last in self.peer_progress(c.fragment)):
@@ -233,8 +234,9 @@ class FragmentAveraging:
             self.wait_s = self.timeouts.match_wait_s
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         started = time.monotonic()
-        # a delta taken against a base the swarm no longer has must not count
-        weight = STALE_WEIGHT if c.staleness else c.weight
+        # a delta taken against a base the swarm no longer has counts ~0 (a satellite's: less), see
+        # outer.contribution_weight; hivemind needs a positive weight
+        weight = max(c.weight, STALE_WEIGHT)
         gathered, delta = await self._allreduce(
             c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=weight,
             gather={"round": c.round, "step": c.step, "weight": weight, "fp": c.fingerprint, "stale": c.staleness},
@@ -269,7 +271,7 @@ class FragmentAveraging:
 
         Run by every member of a group whose fingerprints disagreed; returns
         (global, momentum, bytes sent) or None if the group did not re-form."""
-        expected = self.live_islands()
+        expected = self.expected_group()
         sent = 0
         out = []
         for phase, values in (("global", global_), ("momentum", momentum)):

@@ -14,7 +14,7 @@ import torch
 
 from . import PROTOCOL_VERSION
 from .consensus import fingerprint
-from .outer import mix, nesterov_outer_step, pseudo_gradient, token_weight
+from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
 from .schedule import check_schedule, default_overlap, fragment_offset
 
 Compression = Literal["none", "fp16", "int8"]
@@ -75,8 +75,10 @@ class Contribution:
     fingerprint: list[float] = dataclasses.field(default_factory=list)
     """Of the agreed values the delta was taken against (see consensus.py)."""
     staleness: int = 0
-    """Rounds of this fragment the island missed (it joined, restarted or was cut off):
-    its base is not the swarm's, so its delta must not count (see FragmentAveraging)."""
+    """Rounds of this fragment the island missed (it joined, restarted or was cut off, or is a
+    satellite out of contact): its base is not the swarm's (see outer.contribution_weight)."""
+    tokens: int = 0
+    """Tokens trained since the fragment's last contribution (a satellite gets them back if the round fails)."""
 
 
 @dataclasses.dataclass
@@ -107,10 +109,14 @@ class FragmentCounters:
 class StreamingDiLoCo:
     """Agreed values and outer state of every fragment of one island."""
 
-    def __init__(self, cfg: DiLoCoConfig, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor]):
+    def __init__(
+        self, cfg: DiLoCoConfig, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], satellite: bool = False
+    ):
+        """`satellite`: contributions after missed rounds count with a staleness weight instead of 0."""
         if len(layout) != cfg.fragments:
             raise ValueError(f"layout has {len(layout)} fragments, config {cfg.fragments}")
         self.cfg = cfg
+        self.satellite = satellite
         self.layout = [list(names) for names in layout]
         self.globals = [
             {n: params[n].detach().to("cpu", torch.float32).clone() for n in names} for names in self.layout
@@ -130,22 +136,38 @@ class StreamingDiLoCo:
         g = self.globals[fragment]
         delta = {n: pseudo_gradient(g[n], params[n]) for n in self.layout[fragment]}
         counters = self.counters[fragment]
-        weight = token_weight(counters.tokens_since_sync)
-        counters.tokens_since_sync = 0
-        fp = fingerprint([g[n] for n in self.layout[fragment]])
+        tokens, counters.tokens_since_sync = counters.tokens_since_sync, 0
         staleness = max(0, round_ - counters.round - 1)
+        fp = fingerprint([g[n] for n in self.layout[fragment]])
         return Contribution(
-            fragment=fragment, round=round_, step=step, delta=delta, weight=weight, fingerprint=fp, staleness=staleness
+            fragment=fragment, round=round_, step=step, delta=delta, fingerprint=fp, staleness=staleness, tokens=tokens,
+            weight=contribution_weight(tokens, staleness, self.satellite),
         )
 
-    def apply(self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
-        """Outer step on global_p with the averaged delta, then mix local_p towards it (in place)."""
+    def keep_accumulating(self, contribution: Contribution) -> None:
+        """A satellite's round did not happen: its tokens count towards its next contribution."""
+        self.counters[contribution.fragment].tokens_since_sync += contribution.tokens
+
+    def apply(
+        self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+        mix_local: bool = True,
+    ) -> None:
+        """Outer step on global_p with the averaged delta, then mix local_p towards it (in place).
+
+        `mix_local=False` leaves local_p alone (a stale member mixes after its base was replaced)."""
         cfg, g, m = self.cfg, self.globals[fragment], self.momentum[fragment]
         for n in self.layout[fragment]:
             g[n], m[n] = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
-            with torch.no_grad():
-                params[n].copy_(mix(params[n], g[n], cfg.alpha))
+        if mix_local:
+            self.mix_local(fragment, params)
         self.counters[fragment].round = round_
+
+    def mix_local(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
+        """local_p <- alpha * local_p + (1 - alpha) * global_p, in place."""
+        g = self.globals[fragment]
+        with torch.no_grad():
+            for n in self.layout[fragment]:
+                params[n].copy_(mix(params[n], g[n], self.cfg.alpha))
 
     def replace(
         self, fragment: int, global_: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], round_: int | None = None

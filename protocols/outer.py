@@ -17,6 +17,24 @@ def token_weight(tokens_since_sync: int) -> float:
     return float(max(0, tokens_since_sync))
 
 
+def contribution_weight(tokens: int, staleness: int, satellite: bool = False) -> float:
+    """The weight a contribution takes in its round.
+
+    An island's delta counts its tokens. An island whose base is stale (it missed
+    `staleness` rounds: it joined, restarted or was cut off) took its delta against
+    values the swarm no longer has, so it counts 0 (the averager sends a tiny
+    positive weight, which hivemind needs). A satellite is stale by design: its
+    delta is its progress over the 1 + staleness windows since its last contact,
+    about (1 + staleness) times an island's, so it counts tokens / (1 + staleness)**2:
+    its accumulated progress moves the swarm as much as one window of an island with
+    the same batch would, and its share of the group's weight shrinks with staleness.
+    """
+    base = token_weight(tokens)
+    if staleness <= 0:
+        return base
+    return base / (1 + staleness) ** 2 if satellite else 0.0
+
+
 def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """sum_i w_i * delta_i / sum_i w_i; the plain mean when all weights are zero."""
     if not deltas:

@@ -34,6 +34,8 @@ class IslandRecord:
     """"starting", "training", or "left" (withdrawn on a clean exit)."""
     maddrs: list[str]
     shard: int = -1
+    contact_until: float | None = None
+    """A satellite in contact: the DHT time its contact window ends (None for islands, or out of contact)."""
 
     def to_value(self) -> dict:
         value = dataclasses.asdict(self)
@@ -61,6 +63,7 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
             state=str(value.get("state", "training")),
             maddrs=[str(m) for m in value.get("maddrs", [])],
             shard=int(value.get("shard", -1)),
+            contact_until=None if value.get("contact_until") is None else float(value["contact_until"]),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -72,6 +75,19 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
 def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = LIVE_S) -> dict[str, IslandRecord]:
     """Records that are fresh (refreshed within ttl_s) and not withdrawn."""
     return {p: r for p, r in records.items() if r.state != "left" and now - r.time <= ttl_s}
+
+
+def expected_group(me: str, records: Mapping[str, IslandRecord], now: float, margin_s: float) -> int:
+    """How many members a round of this island should wait for: itself, the other live
+    islands, and the satellites whose contact lasts at least margin_s more (islands never
+    wait for a satellite that may leave mid-round)."""
+    count = 1
+    for p, r in records.items():
+        if p == me:
+            continue
+        if r.role == "island" or (r.state == "training" and r.contact_until is not None and r.contact_until - now >= margin_s):
+            count += 1
+    return count
 
 
 def choose_shard(me: str, records: Mapping[str, IslandRecord], num_shards: int) -> int:

@@ -80,6 +80,8 @@ def test_bad_config_files_name_the_field(tmp_path, toml, message):
         ({"steps": "0"}, "steps must be >= 1"),
         ({"model": "huge"}, "model must be one of"),
         ({"role": "satellite"}, "satellite needs --contact"),
+        ({"role": "satellite", "contact": "now and then"}, "contact 'now and then' is not"),
+        ({"contact": "up 10s every 30s"}, "contact applies to satellites only"),
         ({"swarm_key": "/etc/islands/key"}, "swarm_key is not supported yet"),
         ({"metrics_port": "9100"}, "metrics_port is not supported yet"),
         ({"join": "not-an-address"}, "is not a multiaddress"),

@@ -51,3 +51,25 @@ def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_p
     assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "b" / "checkpoint" / "global.safetensors") < 1e-4
     tail = [s for s in again.of("sync") if s["step"] >= 260]
     assert tail and all(s["outcome"] == "ok" for s in tail)
+
+
+def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, tmp_path):
+    common = [*SCHEDULE, "--steps", "240", "--run-id", "orbit", "--match-wait-s", "3"]
+    a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "3"])
+    b = nodes([*common, "--wait-islands", "3", "--join", join], tmp_path / "b", name="b")
+    c = nodes([*common, "--wait-islands", "3", "--join", join], tmp_path / "c", name="c")
+    sat = nodes([*common, "--join", join, "--role", "satellite", "--contact", "up 10s every 30s"], tmp_path / "sat", name="sat")
+    for node in (a, b, c, sat):
+        assert node.wait_exit(240) == 0, node.stderr()
+    outcomes = [s["outcome"] for s in sat.of("sync")]
+    assert "skipped_no_contact" in outcomes and "ok" in outcomes, outcomes
+    with_sat = [s for s in sat.of("sync") if s["outcome"] == "ok"]
+    assert all(s["group_size"] == 4 for s in with_sat), with_sat
+    # in contact after missed rounds it counts with a staleness weight, which is logged
+    assert any(s["staleness"] > 0 and 0 < s["weight"] for s in with_sat), with_sat
+    for node in (a, b, c):
+        syncs = node.of("sync")
+        ok = [s for s in syncs if s["outcome"] == "ok" and s["group_size"] >= 3]
+        assert len(ok) >= 0.8 * len(syncs), [(s["outcome"], s["group_size"]) for s in syncs]
+    ga, gb, gc = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "abc")
+    assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4

@@ -157,10 +157,50 @@ def test_contribution_weight_is_tokens_since_last_sync():
     diloco = StreamingDiLoCo(DiLoCoConfig(window=8, fragments=2), [names[:2], names[2:]], params)
     diloco.add_tokens(100)
     diloco.add_tokens(50)
-    assert diloco.contribution(0, 1, 8, params).weight == 150
+    c = diloco.contribution(0, 1, 8, params)
+    assert c.weight == 150 and c.staleness == 0
+    diloco.apply(0, 1, c.delta, params)
     diloco.add_tokens(10)
     assert diloco.contribution(0, 2, 16, params).weight == 10
     assert diloco.contribution(1, 1, 12, params).weight == 160
+
+
+def test_stale_contributions_count_zero_for_islands_and_discounted_for_satellites():
+    from islands.protocols.outer import contribution_weight
+
+    assert contribution_weight(1000, 0) == 1000 and contribution_weight(1000, 0, satellite=True) == 1000
+    assert contribution_weight(1000, 3) == 0.0  # an island that missed rounds: its base is not the swarm's
+    # a satellite that missed 3 rounds brings ~4 windows of progress: it counts as one window's tokens / 4
+    assert contribution_weight(4000, 3, satellite=True) == 4000 / 16
+    model = _toy_model()
+    params = dict(model.named_parameters())
+    names = list(params)
+    for satellite, expected in ((False, 0.0), (True, 300 / 9)):
+        d = StreamingDiLoCo(DiLoCoConfig(window=8, fragments=2), [names[:2], names[2:]], params, satellite=satellite)
+        d.add_tokens(300)
+        c = d.contribution(0, 3, 24, params)  # rounds 1 and 2 were never applied
+        assert c.staleness == 2 and c.tokens == 300 and c.weight == pytest.approx(expected)
+    d.keep_accumulating(c)  # the satellite's round did not happen: its tokens wait for the next one
+    d.add_tokens(100)
+    assert d.contribution(0, 4, 32, params).tokens == 400
+
+
+def test_contact_windows():
+    from islands.protocols.contact import parse_contact
+
+    s = parse_contact("up 10s every 30s")
+    assert [s.in_contact(t) for t in (0, 9.9, 10, 29.9, 30, 45)] == [True, True, False, False, True, False]
+    assert s.remaining_s(4) == 6 and s.remaining_s(12) == 0 and s.next_start_s(12) == 30
+    late = parse_contact("up 1m every 2m after 30s")
+    assert not late.in_contact(10) and late.in_contact(30) and late.in_contact(89) and not late.in_contact(90)
+    assert late.next_start_s(10) == 30 and late.next_start_s(100) == 150
+    windows = parse_contact("0-20, 60-80")
+    assert windows.in_contact(5) and not windows.in_contact(30) and windows.in_contact(70)
+    assert windows.next_start_s(30) == 60 and windows.next_start_s(90) is None
+    assert parse_contact("always").remaining_s(1e6) == float("inf")
+    for bad in ("sometimes", "up 0s every 10s", "up 20s every 10s", "20-10", "0-20,10-30", ""):
+        with pytest.raises(ValueError, match="contact"):
+            parse_contact(bad)
 
 
 def test_apply_is_outer_step_then_mix():
