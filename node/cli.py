@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .config import ConfigError, add_arguments, build_config
 
 PROG = "islands-node"
-SUBCOMMANDS = ("run", "check-config", "status", "swarm")
+SUBCOMMANDS = ("run", "check-config", "status", "swarm", "relay")
 
 DESCRIPTION = """\
 Train one model across compute islands with Streaming DiLoCo.
@@ -28,6 +28,7 @@ subcommands:
   islands-node status --join MADDR   the swarm as a table (--json for machines)
   islands-node swarm --islands N     N local islands on loopback: the one-command demo
   islands-node check-config FILE     validate a TOML config without starting
+  islands-node relay --to HOST:PORT  emulate a long link in front of a node (delay, rate, contact)
 """
 
 
@@ -61,6 +62,11 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
 
         _setup_logging(0)
         return status_main(argv, PROG)
+    if command == "relay":
+        from .relay import main as relay_main
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return relay_main(argv, PROG)
     if command == "swarm":
         from .swarm import main as swarm_main
 

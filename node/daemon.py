@@ -157,7 +157,7 @@ class Island:
         log_path = cfg.output.event_log_path
         rotate(log_path)
         events = EventLog(log_path)
-        progress = Progress(cfg.output.progress, f"island {network.peer_id[-8:]}", cfg.train.steps)
+        progress = Progress(cfg.output.progress, f"{cfg.net.role} {network.peer_id[-8:]}", cfg.train.steps)
 
         if cfg.net.wait_islands > 1 and not start_step:
             seen = await network.wait_for_islands(
@@ -371,9 +371,12 @@ class Island:
 
     def _align(self, step: int, network: Network, events: EventLog) -> int:
         """A satellite in contact moves its step counter to the islands' (it trains at its own
-        pace, and rounds are matched by step): the step it should be at now."""
+        pace, and rounds are matched by round number): the step it should be at now."""
         target = network.swarm_step()
-        if target is None or abs(target - step) <= self.cfg.diloco.tau:
+        d = self.cfg.diloco
+        # a little behind: its rounds start late but within the overlap; ahead by less than half
+        # a window: it waits for the islands' rounds as a follower. Otherwise move.
+        if target is None or -d.tau <= step - target <= d.window // 2:
             return step
         target = min(target, self.cfg.train.steps)
         events.emit("align", step=step, to_step=target)

@@ -94,6 +94,7 @@ class Network:
             self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
             self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
             peer_progress=self.peer_progress, refresh_peers=self.refresh, overlap=self.cfg.diloco.tau,
+            follower=self.contact is not None,
         )
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
@@ -131,7 +132,7 @@ class Network:
     @property
     def round_budget_s(self) -> float:
         """The contact a satellite needs left to take part in a round (islands stop counting it then)."""
-        return self.cfg.net.match_wait_s + 2.0
+        return self.cfg.net.match_wait_s + 1.0
 
     async def refresh(self) -> None:
         """Publish this island's record (and the manifest), then read everyone's."""
@@ -170,12 +171,13 @@ class Network:
         return expected_group(self.peer_id, self.live(), dht_now(), self.round_budget_s)
 
     def swarm_step(self) -> int | None:
-        """The furthest live island's step now, extrapolated from its record by its step time."""
+        """The furthest live island's step now, extrapolated from its record by its recent pace."""
         now, best = dht_now(), None
         for p, r in self.live().items():
             if p == self.peer_id or r.role != "island" or r.state != "training":
                 continue
-            guess = r.step + (int(max(0.0, now - r.time) / r.step_seconds) if r.step_seconds > 0 else 0)
+            steps_per_s = r.tokens_per_s / r.batch_tokens if r.batch_tokens > 0 else 0.0  # wall pace, stalls included
+            guess = r.step + int(max(0.0, now - r.time) * steps_per_s)
             best = guess if best is None else max(best, guess)
         return best
 

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 class Averager(Protocol):
     async def average(self, contribution: Contribution) -> RoundResult: ...
 
+    async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
+
     async def consensus(
         self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False
     ) -> tuple[dict, dict, int] | None: ...
@@ -119,12 +121,22 @@ class FragmentSync:
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - any failure falls back to solo
             logger.warning("fragment %d round %d failed: %r", fragment, c.round, e)
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
-        accumulate = self.diloco.satellite and result.outcome != "ok"
         consensus = None
-        if accumulate:
+        if result.outcome != "ok" and self.diloco.satellite:
             # a satellite does not apply its own update alone: it contributes it at its next round
             self.diloco.keep_accumulating(c)
             policy = "accumulate"
+        elif result.outcome == "ok" and c.staleness and not result.consensus:
+            # averaged, but against a base the swarm no longer has: take the swarm's agreed fragment
+            # and apply the round to it; the island's own progress stays in its local values
+            if await self._rebase(fragment, c.round, result.delta):
+                policy = "rebased"
+            elif self.diloco.satellite:
+                self.diloco.keep_accumulating(c)
+                policy = "accumulate"
+            else:  # still stale: the next round counts it ~0 again
+                await self._run_torch(self.diloco.apply, fragment, None, result.delta, self.params)
+                policy = "averaged"
         else:
             # a stale member's base is about to be replaced by the group's: mix after that
             late_mix = bool(result.consensus and c.staleness)
@@ -155,6 +167,34 @@ class FragmentSync:
                 "consensus": consensus,
             }
         )
+
+    async def _rebase(self, fragment: int, round_: int, avg_delta: dict) -> bool:
+        """Download the fragment's agreed values, momentum and round from an island and bring them
+        to round `round_` (applying the averaged delta if the donor has not yet); False if none came."""
+        d = self.diloco
+        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
+        if item is None:
+            logger.warning("fragment %d round %d: no state to rebase on", fragment, round_)
+            return False
+        meta, tensors = item
+        try:
+            g, m = d.state_from_tensors(fragment, tensors)
+            donor_round = int(meta["round"])
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("fragment %d: state from %s does not fit: %s", fragment, meta.get("peer_id"), e)
+            return False
+        if donor_round < round_ - 1:
+            logger.warning("fragment %d: donor at round %d, behind round %d", fragment, donor_round, round_)
+            return False
+
+        def take() -> None:
+            d.replace(fragment, g, m, round_=donor_round)
+            if donor_round == round_ - 1:  # the donor has not applied this round yet: do it here
+                d.apply(fragment, round_, avg_delta, self.params, mix_local=False)
+            d.mix_local(fragment, self.params)
+
+        await self._run_torch(take)
+        return True
 
     async def _consensus(self, fragment: int, round_: int, stale: bool) -> tuple[str, int]:
         """The group's agreed values disagreed: average them (and the outer momentum) once more."""

@@ -185,13 +185,17 @@ class FragmentAveraging:
         peer_progress: Callable[[int], list[tuple[int, int]]] | None = None,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
         overlap: int = 0,
+        follower: bool = False,
     ):
+        """`follower` (satellites): join groups that islands lead, never lead one, reduce no part
+        (hivemind's client mode), and wait longer for the islands' round to begin (they never wait for it)."""
         install_codec_fixes()
+        self.follower = follower
         self.peer_progress = peer_progress or (lambda fragment: [])
         self.refresh_peers = refresh_peers
         self.overlap = overlap
         self.timeouts = timeouts
-        self.wait_s = timeouts.match_wait_s
+        self.wait_s = self._base_wait_s = timeouts.match_wait_s * (2 if follower else 1)
         """The current match wait: doubled after a round that found nobody (up to max_match_wait_s),
         so that an island that fell behind is waited for until it catches up; reset by a good round."""
         self.compression = compression
@@ -215,6 +219,7 @@ class FragmentAveraging:
                 reducer_timeout=timeouts.next_chunk_s,
                 compression=compression_codec(compression),
                 allow_state_sharing=False,
+                client_mode=follower,
                 declare_state_period=5,
                 shutdown_timeout=2,
             )
@@ -223,7 +228,7 @@ class FragmentAveraging:
 
     async def average(self, contribution: Contribution) -> RoundResult:
         c = contribution
-        if self.refresh_peers is not None and self.wait_s > self.timeouts.match_wait_s:
+        if self.refresh_peers is not None and self.wait_s > self._base_wait_s:
             await self.refresh_peers()  # the last round found nobody: look again before waiting
         expected = self.expected_group()
         if expected <= 1:
@@ -231,7 +236,7 @@ class FragmentAveraging:
         if any(step > c.step + self.overlap or last >= c.step for step, last in self.peer_progress(c.fragment)):
             # another island has already applied this round (its record says so): nobody will
             # come; skip it at once to catch up instead of waiting
-            self.wait_s = self.timeouts.match_wait_s
+            self.wait_s = self._base_wait_s
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         started = time.monotonic()
         # a delta taken against a base the swarm no longer has counts ~0 (a satellite's: less), see
@@ -245,9 +250,10 @@ class FragmentAveraging:
         seconds = time.monotonic() - started
         if gathered is None:
             # the others are there (by their records) but not in this round: one of us is behind
-            self.wait_s = min(self.timeouts.max_match_wait_s, 2 * self.wait_s)
+            if not self.follower:  # a satellite that missed a round just keeps accumulating
+                self.wait_s = min(self.timeouts.max_match_wait_s, 2 * self.wait_s)
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
-        self.wait_s = self.timeouts.match_wait_s
+        self.wait_s = self._base_wait_s
         rounds = {m.get("round") for m in gathered.values()}
         if rounds != {c.round}:
             logger.warning("fragment %d: group mixed rounds %s; keeping own update", c.fragment, rounds)
@@ -257,7 +263,10 @@ class FragmentAveraging:
             outcome="ok", delta=delta, group_size=len(gathered),
             weight=sum(float(m.get("weight", 0.0)) for m in gathered.values()),
             bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness,
-            consensus=consensus_needed((m.get("fp", []) for m in gathered.values()), TOLERANCE[self.compression]),
+            # a stale member's base differs by design: it takes the swarm's afterwards (FragmentSync._rebase)
+            consensus=consensus_needed(
+                (m.get("fp", []) for m in gathered.values() if not m.get("stale")), TOLERANCE[self.compression]
+            ),
         )
 
     async def consensus(

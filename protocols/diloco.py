@@ -149,18 +149,20 @@ class StreamingDiLoCo:
         self.counters[contribution.fragment].tokens_since_sync += contribution.tokens
 
     def apply(
-        self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+        self, fragment: int, round_: int | None, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
         mix_local: bool = True,
     ) -> None:
         """Outer step on global_p with the averaged delta, then mix local_p towards it (in place).
 
-        `mix_local=False` leaves local_p alone (a stale member mixes after its base was replaced)."""
+        `mix_local=False` leaves local_p alone (a stale member mixes after its base was replaced);
+        `round_=None` leaves the fragment's round as it was (its base is still not the swarm's)."""
         cfg, g, m = self.cfg, self.globals[fragment], self.momentum[fragment]
         for n in self.layout[fragment]:
             g[n], m[n] = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
         if mix_local:
             self.mix_local(fragment, params)
-        self.counters[fragment].round = round_
+        if round_ is not None:
+            self.counters[fragment].round = round_
 
     def mix_local(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
         """local_p <- alpha * local_p + (1 - alpha) * global_p, in place."""

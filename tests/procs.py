@@ -109,3 +109,49 @@ class NodeProcess:
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.poll_events() if e["event"] == kind]
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a node behind a relay, whose real port must be known first)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RelayProcess:
+    """`islands-node relay` in front of a node: its port, and SIGSTOP/SIGCONT for a partition."""
+
+    def __init__(self, to_port: int, run_dir: Path, extra: list[str] | None = None):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port_file = run_dir / "relay.port"
+        self._stderr = open(run_dir / "relay.stderr", "ab")
+        self.proc = subprocess.Popen(
+            [*NODE, "relay", "--to", f"127.0.0.1:{to_port}", "--port-file", str(port_file), *(extra or [])],
+            stdout=subprocess.DEVNULL, stderr=self._stderr, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"relay did not start ({self.proc.poll()})")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+
+    @property
+    def maddr(self) -> str:
+        return f"/ip4/127.0.0.1/tcp/{self.port}"
+
+    def cut(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def heal(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._stderr.close()

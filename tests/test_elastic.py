@@ -5,9 +5,25 @@ import json
 
 import pytest
 
+from .procs import RelayProcess, free_port
 from .test_swarm import SCHEDULE, _first, _max_diff
 
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def relays():
+    """Start RelayProcess-es with relays(to_port, run_dir); each is stopped after the test."""
+    started: list[RelayProcess] = []
+
+    def start(to_port, run_dir, extra=None) -> RelayProcess:
+        relay = RelayProcess(to_port, run_dir, extra)
+        started.append(relay)
+        return relay
+
+    yield start
+    for relay in started:
+        relay.stop()
 
 
 def _step_at_least(n):
@@ -73,3 +89,32 @@ def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, t
         assert len(ok) >= 0.8 * len(syncs), [(s["outcome"], s["group_size"]) for s in syncs]
     ga, gb, gc = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "abc")
     assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4
+
+
+def test_partition_and_heal_end_with_one_model(nodes, relays, tmp_path):
+    """Each island behind its own relay; stopping both relays cuts every link between them."""
+    ports = free_port(), free_port()
+    ra, rb = relays(ports[0], tmp_path / "ra"), relays(ports[1], tmp_path / "rb")
+    common = ["--window", "20", "--fragments", "4", "--steps", "420", "--run-id", "split", "--match-wait-s", "3", "--wait-islands", "2"]
+    a, join = _first(nodes, tmp_path, [*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[0]}", "--announce", ra.maddr])
+    assert f"/tcp/{ra.port}/" in join
+    b = nodes([*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[1]}", "--announce", rb.maddr, "--join", join], tmp_path / "b", name="b")
+    b.wait_for(lambda e: e["event"] == "sync" and e["step"] >= 60 and e["outcome"] == "ok", 120, "an ok sync at step 60")
+    ra.cut()
+    rb.cut()
+    cut_at = max(a.steps())
+    # both sides train on; once the other's record has lapsed they sync alone
+    for node in (a, b):
+        node.wait_for(lambda e: e["event"] == "sync" and e["step"] > cut_at and e["outcome"] == "solo", 90, "a solo sync in the partition")
+    ra.heal()
+    rb.heal()
+    healed_at = max(a.steps())
+    assert healed_at < 340, "the partition outlasted the run"
+    for node in (a, b):
+        assert node.wait_exit(240) == 0, node.stderr()
+        # the bases diverged in the partition: after it, the islands meet again and a consensus round re-merges them
+        after = [s for s in node.of("sync") if s["step"] > healed_at]
+        assert any(s["outcome"] == "ok" and s["consensus"] == "ok" for s in after), after
+        tail = [s for s in node.of("sync") if s["step"] >= 380]
+        assert tail and all(s["outcome"] == "ok" and s["group_size"] == 2 for s in tail), tail
+    assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "b" / "checkpoint" / "global.safetensors") < 1e-4

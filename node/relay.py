@@ -1,0 +1,229 @@
+"""A link emulator: a TCP relay on loopback that adds one-way delay and caps the rate per direction.
+
+The kernel here has no netem, so long links are emulated in user space. Put a
+relay in front of a node and make the node announce the relay:
+
+    islands-node relay --listen 127.0.0.1:0 --to 127.0.0.1:4000 --profile intercontinental
+    islands-node --listen /ip4/127.0.0.1/tcp/4000 --announce /ip4/127.0.0.1/tcp/RELAY_PORT ...
+
+Everything that dials the node through its announced address then crosses the
+emulated link. Each direction of each connection has its own link: bytes leave
+at the capped rate, one after the other (`departure`), and arrive `delay_s`
+later. A relay with `--contact SPEC` forwards nothing out of contact (the bytes
+wait, as on a link that is down); SIGSTOP and SIGCONT of the relay make a
+partition and heal it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from .contact import ContactClock
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 * 1024
+QUEUE_CHUNKS = 256
+"""Chunks in flight per direction before the relay stops reading (bounded memory: ~16 MiB)."""
+CONTACT_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    delay_s: float
+    """One-way delay."""
+    rate_bytes_per_s: float | None
+    """Cap per direction; None: no cap."""
+    contact: str | None = None
+    """Contact windows (satellite links), as --contact takes them."""
+
+    def __post_init__(self):
+        if self.delay_s < 0:
+            raise ValueError(f"delay must be >= 0, got {self.delay_s}")
+        if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
+            raise ValueError(f"rate must be > 0, got {self.rate_bytes_per_s}")
+
+
+PROFILES = {
+    "lan": LinkProfile(delay_s=0.0005, rate_bytes_per_s=None),
+    # 150 ms round trip, 100 Mbit/s: a long-haul path between two sites
+    "intercontinental": LinkProfile(delay_s=0.075, rate_bytes_per_s=100e6 / 8),
+    # a ground-station pass: 300 ms one way, 10 Mbit/s, up 20 s of every 60 s
+    "satellite": LinkProfile(delay_s=0.3, rate_bytes_per_s=10e6 / 8, contact="up 20s every 60s"),
+}
+
+
+def departure(now_s: float, size_bytes: int, last_departure_s: float, rate_bytes_per_s: float | None) -> float:
+    """When the last byte of a chunk that arrived at now_s leaves a link of this rate, behind
+    the chunks before it (which leave by last_departure_s)."""
+    if rate_bytes_per_s is None:
+        return now_s
+    return max(now_s, last_departure_s) + size_bytes / rate_bytes_per_s
+
+
+def chunk_bytes(rate_bytes_per_s: float | None) -> int:
+    """Read at most ~10 ms of the link's rate at once, so that pacing stays smooth."""
+    if rate_bytes_per_s is None:
+        return CHUNK_BYTES
+    return int(min(CHUNK_BYTES, max(1024, rate_bytes_per_s * 0.01)))
+
+
+class Relay:
+    """Accepts on `listen`, dials `target` for each connection, forwards both ways through the link."""
+
+    def __init__(self, target: tuple[str, int], profile: LinkProfile, contact: ContactClock | None = None):
+        self.target = target
+        self.profile = profile
+        self.contact = contact
+        self.server: asyncio.Server | None = None
+        self.connections = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            upstream_reader, upstream_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), timeout=10)
+        except (OSError, asyncio.TimeoutError) as e:
+            logger.info("relay: cannot reach %s:%d: %r", *self.target, e)
+            client_writer.close()
+            return
+        await asyncio.gather(
+            self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer), return_exceptions=True
+        )
+        for w in (client_writer, upstream_writer):
+            w.close()
+
+    async def _open(self) -> None:
+        while self.contact is not None and not self.contact.in_contact():
+            await asyncio.sleep(CONTACT_POLL_S)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
+        delay_s, rate = self.profile.delay_s, self.profile.rate_bytes_per_s
+        size = chunk_bytes(rate)
+
+        async def send() -> None:
+            while True:
+                due, data = await queue.get()
+                if data is None:
+                    break
+                wait_s = due - loop.time()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                await self._open()
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(send())
+        last = 0.0
+        try:
+            while True:
+                await self._open()
+                data = await reader.read(size)
+                if not data:
+                    break
+                last = departure(loop.time(), len(data), last, rate)
+                await queue.put((last + delay_s, data))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            await queue.put((0.0, None))
+            try:
+                await sender
+            except (ConnectionError, OSError):
+                pass
+            try:
+                writer.write_eof()
+            except (OSError, RuntimeError):
+                pass
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+
+
+def _profile(args: argparse.Namespace) -> LinkProfile:
+    base = PROFILES[args.profile]
+    rate = base.rate_bytes_per_s if args.rate_mbit is None else (args.rate_mbit * 1e6 / 8 if args.rate_mbit > 0 else None)
+    return LinkProfile(
+        delay_s=base.delay_s if args.delay_ms is None else args.delay_ms / 1000,
+        rate_bytes_per_s=rate,
+        contact=args.contact if args.contact is not None else base.contact,
+    )
+
+
+def main(argv: Sequence[str], prog: str = "islands-node") -> int:
+    from .cli import _Parser
+
+    parser = _Parser(
+        prog=f"{prog} relay",
+        description="A TCP relay that emulates a long link (delay and rate cap per direction, contact windows). "
+        "Put it in front of a node and pass the node --announce /ip4/HOST/tcp/RELAY_PORT.",
+    )
+    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), metavar="HOST:PORT", help="where the relay accepts (default 127.0.0.1:0)")
+    parser.add_argument("--to", type=_host_port, required=True, metavar="HOST:PORT", help="the node's real listen address")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="lan", help="named link: " + "; ".join(
+        f"{n}: {p.delay_s * 1000:g} ms one way, {'no cap' if p.rate_bytes_per_s is None else f'{p.rate_bytes_per_s * 8 / 1e6:g} Mbit/s'}"
+        + (f", {p.contact}" if p.contact else "") for n, p in PROFILES.items()))
+    parser.add_argument("--delay-ms", type=float, metavar="MS", help="one-way delay instead of the profile's")
+    parser.add_argument("--rate-mbit", type=float, metavar="MBIT", help="rate cap per direction instead of the profile's (0: none)")
+    parser.add_argument("--contact", metavar="SPEC", help="forward only in these windows, e.g. 'up 10s every 30s'")
+    parser.add_argument("--port-file", metavar="PATH", help="write the port the relay listens on here")
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        profile = _profile(args)
+        contact = ContactClock(profile.contact) if profile.contact else None
+    except ValueError as e:
+        print(f"{prog} relay: error: {e}", file=sys.stderr)
+        return 2
+
+    async def serve() -> int:
+        relay = Relay(args.to, profile, contact)
+        try:
+            port = await relay.start(*args.listen)
+        except OSError as e:
+            print(f"{prog} relay: error: cannot listen on {args.listen[0]}:{args.listen[1]}: {e.strerror}", file=sys.stderr)
+            return 2
+        if args.port_file:
+            from pathlib import Path
+
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(f"{port}\n")
+            tmp.rename(args.port_file)
+        rate = "no cap" if profile.rate_bytes_per_s is None else f"{profile.rate_bytes_per_s * 8 / 1e6:g} Mbit/s"
+        print(f"relay {args.listen[0]}:{port} -> {args.to[0]}:{args.to[1]}: {profile.delay_s * 1000:g} ms one way, {rate}"
+              + (f", contact {profile.contact}" if profile.contact else ""), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        started = time.monotonic()
+        await stop.wait()
+        await relay.close()
+        logger.info("relay ran %.1fs, %d connections", time.monotonic() - started, relay.connections)
+        return 0
+
+    return asyncio.run(serve())

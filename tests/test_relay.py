@@ -1,0 +1,89 @@
+"""The link emulator: measured delay and rate match the profile within 10% (real sockets on 127.0.0.1)."""
+
+import asyncio
+import time
+
+import pytest
+from islands.node.relay import PROFILES, LinkProfile, Relay, departure
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_departure_paces_chunks_at_the_rate():
+    assert departure(0.0, 1000, 0.0, None) == 0.0
+    assert departure(0.0, 1000, 0.0, 1000.0) == 1.0
+    assert departure(0.5, 1000, 1.0, 1000.0) == 2.0  # queued behind the chunk before it
+    assert departure(3.0, 500, 1.0, 1000.0) == 3.5  # an idle link sends at once
+    assert PROFILES["intercontinental"].delay_s * 2 == pytest.approx(0.150)
+
+
+async def _echo_server():
+    async def echo(reader, writer):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _relay(port, profile):
+    relay = Relay(("127.0.0.1", port), profile)
+    return relay, await relay.start("127.0.0.1", 0)
+
+
+async def test_round_trip_is_twice_the_one_way_delay():
+    server, port = await _echo_server()
+    relay, relay_port = await _relay(port, LinkProfile(delay_s=0.05, rate_bytes_per_s=None))
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay_port)
+    rtts = []
+    for _ in range(5):
+        started = time.monotonic()
+        writer.write(b"ping")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+        rtts.append(time.monotonic() - started)
+    writer.close()
+    await relay.close()
+    server.close()
+    rtts.sort()
+    assert rtts[2] == pytest.approx(0.100, rel=0.10), rtts
+
+
+async def test_rate_cap_per_direction():
+    got = asyncio.Event()
+    received = []
+
+    async def sink(reader, writer):
+        total = 0
+        while data := await reader.read(65536):
+            total += len(data)
+            if total >= 2_000_000:
+                received.append(time.monotonic())
+                got.set()
+        writer.close()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    rate = 8e6 / 8  # 8 Mbit/s
+    relay, relay_port = await _relay(port, LinkProfile(delay_s=0.02, rate_bytes_per_s=rate))
+    _, writer = await asyncio.open_connection("127.0.0.1", relay_port)
+    started = time.monotonic()
+    writer.write(b"x" * 2_000_000)
+    await writer.drain()
+    await asyncio.wait_for(got.wait(), 10)
+    seconds = received[0] - started - 0.02
+    writer.close()
+    await relay.close()
+    server.close()
+    assert 2_000_000 / seconds == pytest.approx(rate, rel=0.10), seconds
+
+
+def test_relay_command_refuses_bad_input(capsys):
+    from islands.node.cli import main
+
+    assert main(["relay", "--to", "127.0.0.1:1", "--contact", "sometimes"], environ={}) == 2
+    assert "contact 'sometimes'" in capsys.readouterr().err
+    assert main(["relay", "--to", "nowhere"], environ={}) == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
