@@ -30,27 +30,71 @@ def _step_at_least(n):
     return lambda e: e["event"] == "step" and e["step"] >= n
 
 
+def _group(pgid: int) -> set[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
 def test_join_mid_run_and_survive_a_crash(nodes, tmp_path):
-    common = [*SCHEDULE, "--steps", "220", "--run-id", "elastic", "--match-wait-s", "3"]
+    """The issue's run: A and B, C joins after A passes step 60, B is SIGKILLed after step 100."""
+    import os
+    import signal
+    import time
+
+    common = [*SCHEDULE, "--steps", "200", "--run-id", "elastic", "--match-wait-s", "3"]
     a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "2"])
     b = nodes([*common, "--wait-islands", "2", "--join", join], tmp_path / "b", name="b")
-    a.wait_for(_step_at_least(41), 120, "A past step 40")
+    a.wait_for(_step_at_least(61), 120, "A past step 60")
     c = nodes([*common, "--join", join], tmp_path / "c", name="c")
     joined = c.wait_for(lambda e: e["event"] == "join", 120, "C's join event")
-    assert joined["step"] > 40 and joined["state_from"] in (a.of("started")[0]["peer_id"], b.of("started")[0]["peer_id"])
+    assert joined["step"] > 60 and joined["state_from"] in (a.of("started")[0]["peer_id"], b.of("started")[0]["peer_id"])
     assert joined["bytes"] > 0
-    b.wait_for(_step_at_least(joined["step"] + 15), 120, "B well after the join")
-    b.kill_tree()
+    b.wait_for(_step_at_least(101), 120, "B past step 100")
+    # only B's main process: its watchdog must take the DHT, the averagers and p2pd down with it
+    assert any("p2pd" in open(f"/proc/{p}/comm").read() for p in _group(b.proc.pid) if os.path.exists(f"/proc/{p}/comm"))
+    os.kill(b.proc.pid, signal.SIGKILL)
+    b.proc.wait(timeout=10)
     killed_at = max(a.steps())
+    deadline = time.monotonic() + 15
+    while _group(b.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group(b.proc.pid), "B's daemons outlived it"
     for node in (a, c):
         assert node.wait_exit(200) == 0, node.stderr()
     assert c.steps()[0] == joined["step"] + 1
-    # after B is gone (and no longer waited for), A and C average every fragment together
+    # once B is no longer waited for (its record lapses within 12 s), A and C average every fragment together
     late = [s for s in a.of("sync") if s["step"] > killed_at + 20]
     assert late and all(s["outcome"] == "ok" and s["group_size"] == 2 for s in late), late
     assert _max_diff(tmp_path / "a" / "checkpoint" / "global.safetensors", tmp_path / "c" / "checkpoint" / "global.safetensors") < 1e-4
 
 
+def test_graceful_leave_is_bounded_and_withdraws_at_once(nodes, tmp_path):
+    """SIGTERM in the middle of a round: the island finishes or abandons it within --leave-timeout-s,
+    checkpoints, withdraws its record and exits 0; the other island stops waiting for it at once."""
+    import signal
+    import time
+
+    common = [*SCHEDULE, "--steps", "260", "--run-id", "leave", "--match-wait-s", "3", "--wait-islands", "2"]
+    a, join = _first(nodes, tmp_path, common)
+    b = nodes([*common, "--join", join, "--leave-timeout-s", "4"], tmp_path / "b", name="b")
+    # a round of fragment 1 starts at step 65 and is applied at 69: stop B while it is in flight
+    b.wait_for(_step_at_least(66), 120, "B inside a round")
+    asked = time.monotonic()
+    b.signal(signal.SIGTERM)
+    assert b.wait_exit(60) == 0, b.stderr()
+    took = time.monotonic() - asked
+    stopped = b.of("stopped")[0]
+    assert stopped["reason"] == "signal SIGTERM" and b.of("summary")[0]["steps"] == stopped["step"] < 260
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"]
+    assert saved == stopped["step"]
+    left_at = max(a.steps())
+    assert a.wait_exit(200) == 0, a.stderr()
+    # B said it left: A's rounds go solo straight away instead of waiting for it
+    after = [s for s in a.of("sync") if s["step"] > left_at + 10]
+    assert after and all(s["outcome"] == "solo" and s["seconds"] < 1 for s in after), after
+    assert took < 4 + 30, took  # leave bound, plus the final evaluation and shutdown
 def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_path):
     common = [*SCHEDULE, "--steps", "300", "--run-id", "restart", "--match-wait-s", "3"]
     a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "2"])

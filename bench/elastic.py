@@ -1,0 +1,153 @@
+"""Islands coming and going, measured: join time, state download, time lost to a crash mid-round,
+and the islands' round times with and without a satellite.
+
+    python -m bench.elastic --out bench/results/elastic.json
+
+Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/procs.py):
+1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; B is
+   SIGKILLed one step into a round after step 100.
+2. satellite: 3 islands with and without a satellite `up 10s every 30s` (240 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import time
+from pathlib import Path
+
+from tests.procs import NodeProcess
+
+from .common import table, write
+
+SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--match-wait-s", "3"]
+
+
+class Nodes:
+    def __init__(self, root: Path):
+        self.root = root
+        self.started: list[NodeProcess] = []
+
+    def start(self, name: str, args: list[str]) -> NodeProcess:
+        node = NodeProcess(args, self.root / name, name=name)
+        node.t_start = time.time()
+        self.started.append(node)
+        return node
+
+    def first(self, name: str, args: list[str]) -> tuple[NodeProcess, str]:
+        maddr = self.root / f"{name}.maddr"
+        node = self.start(name, [*args, "--maddr-file", str(maddr)])
+        return node, node.wait_file(maddr, 60)
+
+    def stop(self) -> None:
+        for node in self.started:
+            node.stop()
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def crash(root: Path) -> dict:
+    nodes = Nodes(root)
+    try:
+        common = [*SCHEDULE, "--steps", "200", "--run-id", "bench-elastic"]
+        a, join = nodes.first("a", [*common, "--wait-islands", "2"])
+        b = nodes.start("b", [*common, "--wait-islands", "2", "--join", join])
+        a.wait_for(lambda e: e["event"] == "step" and e["step"] > 60, 120, "A past 60")
+        c = nodes.start("c", [*common, "--join", join])
+        # mid-round: fragment 1's round starts at step 105 and is applied at 109
+        b.wait_for(lambda e: e["event"] == "step" and e["step"] >= 106, 180, "B inside a round")
+        os.kill(b.proc.pid, signal.SIGKILL)
+        killed_t = time.time()
+        for node in (a, c):
+            node.wait_exit(300)
+        joined = c.of("join")[0]
+        first_ok = next(s for s in c.of("sync") if s["outcome"] == "ok")
+        syncs = a.of("sync")
+        before = [s["seconds"] for s in syncs if s["outcome"] == "ok" and s["t"] < killed_t]
+        typical = statistics.median(before)
+        # rounds applied after the kill until A and C first averaged alone together
+        back = next(s for s in syncs if s["t"] > killed_t and s["outcome"] == "ok" and s["group_size"] == 2)
+        hit = [s for s in syncs if killed_t <= s["t"] <= back["t"]]
+        return {
+            "join_state_bytes": joined["bytes"],
+            "join_download_seconds": joined["seconds"],
+            "join_step": joined["step"],
+            "join_seconds_start_to_first_ok_sync": round(first_ok["t"] - c.t_start, 3),
+            "crash_rounds_hit": len(hit),
+            "crash_outcomes": [s["outcome"] for s in hit],
+            "crash_seconds_lost": round(sum(max(0.0, s["seconds"] - typical) for s in hit), 3),
+            "crash_seconds_until_pair_ok": round(back["t"] - killed_t, 3),
+            "round_seconds_typical": round(typical, 3),
+        }
+    finally:
+        nodes.stop()
+
+
+def satellite(root: Path, with_satellite: bool) -> dict:
+    nodes = Nodes(root)
+    try:
+        common = [*SCHEDULE, "--steps", "240", "--run-id", "bench-orbit"]
+        a, join = nodes.first("a", [*common, "--wait-islands", "3"])
+        islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join]) for n in "bc"]
+        sat = None
+        if with_satellite:
+            sat = nodes.start("sat", [*common, "--join", join, "--role", "satellite", "--contact", "up 10s every 30s"])
+        for node in islands + ([sat] if sat else []):
+            node.wait_exit(300)
+        island_syncs = [s for n in islands for s in n.of("sync")]
+        out = {
+            "island_round_seconds_median": _median([s["seconds"] for s in island_syncs if s["outcome"] == "ok"]),
+            "island_round_seconds_p90": round(sorted(s["seconds"] for s in island_syncs)[int(0.9 * len(island_syncs))], 3),
+            "island_share_ok": round(sum(s["outcome"] == "ok" for s in island_syncs) / len(island_syncs), 3),
+            "island_wall_seconds": _median([n.of("summary")[0]["wall_seconds"] for n in islands]),
+            "island_eval_loss": _median([n.of("summary")[0]["eval_loss"] for n in islands]),
+        }
+        if sat is not None:
+            ss = sat.of("sync")
+            out["satellite_outcomes"] = {o: sum(s["outcome"] == o for s in ss) for o in sorted({s["outcome"] for s in ss})}
+            out["satellite_ok"] = [
+                {"step": s["step"], "group_size": s["group_size"], "staleness": s["staleness"], "weight": s["weight"], "policy": s["policy"]}
+                for s in ss if s["outcome"] == "ok"
+            ]
+            out["island_rounds_with_satellite"] = sum(s["group_size"] == 4 for s in island_syncs)
+        return out
+    finally:
+        nodes.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out")
+    p.add_argument("--run-dir", default="bench-runs/elastic")
+    args = p.parse_args()
+    root = Path(args.run_dir)
+    shutil.rmtree(root, ignore_errors=True)
+    figures = {
+        "crash": crash(root / "crash"),
+        "without_satellite": satellite(root / "plain", False),
+        "with_satellite": satellite(root / "sat", True),
+    }
+    c, w, wo = figures["crash"], figures["with_satellite"], figures["without_satellite"]
+    print(table(
+        [
+            ["join: start to first ok sync", f"{c['join_seconds_start_to_first_ok_sync']} s"],
+            ["join: state download", f"{c['join_state_bytes'] / 1e6:.1f} MB in {c['join_download_seconds']} s"],
+            ["crash mid-round: time lost by A", f"{c['crash_seconds_lost']} s over {c['crash_rounds_hit']} rounds ({', '.join(c['crash_outcomes'])})"],
+            ["crash: until A and C average as a pair", f"{c['crash_seconds_until_pair_ok']} s"],
+            ["island round s (median / p90), no satellite", f"{wo['island_round_seconds_median']} / {wo['island_round_seconds_p90']}"],
+            ["island round s (median / p90), satellite", f"{w['island_round_seconds_median']} / {w['island_round_seconds_p90']}"],
+            ["island ok share, no satellite / satellite", f"{wo['island_share_ok']} / {w['island_share_ok']}"],
+            ["satellite syncs", str(w["satellite_outcomes"])],
+        ],
+        ["figure", "value"],
+    ))
+    write(args.out, figures)
+
+
+if __name__ == "__main__":
+    main()
