@@ -16,7 +16,13 @@ from pathlib import Path
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.dht import SwarmDHT, dht_now
 from islands.protocols.manifest import describe_differences, manifest_differences
-from islands.protocols.records import REFRESH_S, IslandRecord, choose_shard, expected_group, live_records
+from islands.protocols.records import (
+    REFRESH_S,
+    IslandRecord,
+    choose_shard,
+    expected_group,
+    live_records,
+)
 
 from .config import Config
 from .contact import ContactClock
@@ -93,7 +99,7 @@ class Network:
         self.averaging = FragmentAveraging(
             self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
             self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
-            peer_progress=self.peer_progress, refresh_peers=self.refresh, overlap=self.cfg.diloco.tau,
+            peer_progress=self.peer_progress, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
             follower=self.contact is not None,
         )
         await self.refresh()
@@ -148,6 +154,15 @@ class Network:
             self.peers = await self.dht.islands()
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - the DHT may be briefly unreachable
             logger.warning("DHT refresh failed: %r", e)
+
+    async def read_peers(self, timeout_s: float = 2.0) -> None:
+        """Read everyone's records (without publishing this island's), bounded."""
+        if self.contact is not None and not self.contact.in_contact():
+            return
+        try:
+            self.peers = await asyncio.wait_for(self.dht.islands(), timeout=timeout_s)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep the last view
+            logger.info("reading the island records failed: %r", e)
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -228,8 +228,10 @@ class FragmentAveraging:
 
     async def average(self, contribution: Contribution) -> RoundResult:
         c = contribution
-        if self.refresh_peers is not None and self.wait_s > self._base_wait_s:
-            await self.refresh_peers()  # the last round found nobody: look again before waiting
+        if self.refresh_peers is not None:
+            # read the records just before the round: a satellite whose window just opened, an
+            # island that left or went ahead, are then counted right (bounded inside refresh_peers)
+            await self.refresh_peers()
         expected = self.expected_group()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
