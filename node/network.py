@@ -155,8 +155,9 @@ class Network:
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - the DHT may be briefly unreachable
             logger.warning("DHT refresh failed: %r", e)
 
-    async def read_peers(self, timeout_s: float = 2.0) -> None:
-        """Read everyone's records (without publishing this island's), bounded."""
+    async def read_peers(self, timeout_s: float = 0.5) -> None:
+        """Read everyone's records (without publishing this island's), bounded tightly: it runs
+        before every round, and a slow read must not make this island late for the round."""
         if self.contact is not None and not self.contact.in_contact():
             return
         try:
