@@ -20,6 +20,7 @@ from islands.models.transformer import Transformer
 from islands.protocols.diloco import StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.manifest import build_manifest
+from islands.protocols.schedule import round_number
 
 from . import checkpoint as ckpt_io
 from .config import Config
@@ -289,6 +290,10 @@ class Island:
                 reason = shutdown.reason or "shutdown"
             # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
             await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
+            if step >= cfg.train.steps and not satellite and network.expected_group() > 1:
+                # the islands end together: one last agreement on every fragment
+                verdicts = await sync.agree(round_number(step, cfg.diloco.window) + 1)
+                events.emit("agree", step=step, fragments=verdicts)
             await network.withdraw()
             path = await in_torch_thread(save)
             eval_loss = await in_torch_thread(trainer.evaluate)

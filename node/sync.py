@@ -214,6 +214,16 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
+    async def agree(self, round_: int) -> list[str]:
+        """At the end of a run: average every fragment's agreed values and momentum once more
+        (a consensus round keyed `round_`, which no training round uses), so that a round split
+        in the last window, with no later round to heal it, does not leave the islands apart."""
+        verdicts = []
+        for p in range(self.diloco.cfg.fragments):
+            verdict, _ = await self._consensus(p, round_, stale=False)
+            verdicts.append(verdict)
+        return verdicts
+
     async def flush(self, step: int, budget_s: float | None = None) -> None:
         """Finish every round in flight now and apply it; with `budget_s` (leaving), rounds not
         done within that many seconds in all are abandoned (`failed`, own update applied)."""
