@@ -26,7 +26,8 @@ from . import checkpoint as ckpt_io
 from .config import Config
 from .contact import ContactClock
 from .events import EventLog, rotate
-from .network import ManifestMismatch, Network, NetworkError, write_maddr_file
+from .files import write_lines
+from .network import ManifestMismatch, Network, NetworkError
 from .progress import Progress
 from .sync import FragmentSync
 from .trainer import Trainer
@@ -125,7 +126,7 @@ class Island:
             ready()
             maddrs = network.maddrs()
             if self.cfg.output.maddr_file:
-                write_maddr_file(self.cfg.output.maddr_file, maddrs)
+                write_lines(self.cfg.output.maddr_file, maddrs)
             join_with = next((m for m in maddrs if "/ip4/127.0.0.1/" not in m), maddrs[0] if maddrs else "")
             announce(f"islands-node {network.peer_id} listening; join with: islands-node --join {join_with}")
             return await self._train(shutdown, network)
@@ -351,7 +352,7 @@ class Island:
             got.append((p, meta, g, m))
         if len(got) < cfg.diloco.fragments:
             # no usable state: take the swarm's step anyway; this island's first round of each
-            # fragment is then stale (it counts ~0) and the consensus round that follows fixes its base
+            # fragment is then stale (it counts ~0) and it rebases on an island's fragment after it
             progress.note("could not download the swarm's state; joining at its step with a stale base")
             events.emit("join", step=ahead[1], state_from=None, seconds=round(time.monotonic() - started, 3), bytes=0)
             return ahead[1]

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.dht import SwarmDHT, dht_now
@@ -142,7 +141,7 @@ class Network:
 
     async def refresh(self) -> None:
         """Publish this island's record (and the manifest), then read everyone's."""
-        if self.contact is not None and not self.contact.in_contact() and self.status.state != "left":
+        if self._out_of_contact() and self.status.state != "left":
             return  # a satellite out of contact reaches nobody
         if self.averaging is not None and self.status.state == "training" and self.contact is None:
             for averager in self.averaging.averagers:
@@ -158,7 +157,7 @@ class Network:
     async def read_peers(self, timeout_s: float = 0.5) -> None:
         """Read everyone's records (without publishing this island's), bounded tightly: it runs
         before every round, and a slow read must not make this island late for the round."""
-        if self.contact is not None and not self.contact.in_contact():
+        if self._out_of_contact():
             return
         try:
             self.peers = await asyncio.wait_for(self.dht.islands(), timeout=timeout_s)
@@ -170,16 +169,25 @@ class Network:
             await asyncio.sleep(REFRESH_S)
             await self.refresh()
 
+    def _out_of_contact(self) -> bool:
+        return self.contact is not None and not self.contact.in_contact()
+
     def live(self) -> dict[str, IslandRecord]:
         return live_records(self.peers, dht_now())
+
+    def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
+        """The live islands (satellites excluded) other than this node; by default only those training."""
+        return {
+            p: r for p, r in self.live().items()
+            if p != self.peer_id and r.role == "island" and (r.state == "training" or not training)
+        }
 
     def peer_progress(self, fragment: int) -> list[tuple[int, int]]:
         """(step, start step of the last round applied to `fragment`) of the other live, training islands."""
         out = []
-        for p, r in self.live().items():
-            if p != self.peer_id and r.role == "island" and r.state == "training":
-                last = r.last_sync[fragment] if fragment < len(r.last_sync) else {}
-                out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
+        for r in self._other_islands().values():
+            last = r.last_sync[fragment] if fragment < len(r.last_sync) else {}
+            out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
         return out
 
     def expected_group(self) -> int:
@@ -189,9 +197,7 @@ class Network:
     def swarm_step(self) -> int | None:
         """The furthest live island's step now, extrapolated from its record by its recent pace."""
         now, best = dht_now(), None
-        for p, r in self.live().items():
-            if p == self.peer_id or r.role != "island" or r.state != "training":
-                continue
+        for r in self._other_islands().values():
             steps_per_s = r.tokens_per_s / r.batch_tokens if r.batch_tokens > 0 else 0.0  # wall pace, stalls included
             guess = r.step + int(max(0.0, now - r.time) * steps_per_s)
             best = guess if best is None else max(best, guess)
@@ -199,8 +205,7 @@ class Network:
 
     def live_islands(self) -> int:
         """Islands (satellites excluded) that would take part in a round now, this one included."""
-        others = [p for p, r in self.live().items() if p != self.peer_id and r.role == "island"]
-        return 1 + len(others)
+        return 1 + len(self._other_islands(training=False))
 
     async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
         """Wait (bounded) until `count` islands are present; the number seen."""
@@ -215,7 +220,7 @@ class Network:
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""
-        others = [(r.step, p) for p, r in self.live().items() if p != self.peer_id and r.state == "training" and r.role == "island"]
+        others = [(r.step, p) for p, r in self._other_islands().items()]
         if not others:
             return None
         step, peer = max(others)
@@ -247,11 +252,3 @@ class Network:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
 
-
-def write_maddr_file(path: str | os.PathLike, maddrs: list[str]) -> None:
-    """Atomically, so a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(maddrs) + "\n")
-    tmp.rename(path)

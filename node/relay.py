@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from .contact import ContactClock
+from .files import write_lines
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +207,7 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
             print(f"{prog} relay: error: cannot listen on {args.listen[0]}:{args.listen[1]}: {e.strerror}", file=sys.stderr)
             return 2
         if args.port_file:
-            from pathlib import Path
-
-            tmp = Path(args.port_file + ".tmp")
-            tmp.write_text(f"{port}\n")
-            tmp.rename(args.port_file)
+            write_lines(args.port_file, [str(port)])
         rate = "no cap" if profile.rate_bytes_per_s is None else f"{profile.rate_bytes_per_s * 8 / 1e6:g} Mbit/s"
         print(f"relay {args.listen[0]}:{port} -> {args.to[0]}:{args.to[1]}: {profile.delay_s * 1000:g} ms one way, {rate}"
               + (f", contact {profile.contact}" if profile.contact else ""), flush=True)

@@ -40,9 +40,9 @@ from .diloco import Contribution, RoundResult
 
 logger = logging.getLogger(__name__)
 
-ROUND_BITS = 24
+ROUND_BITS = 24  # the group key carries the round number modulo 2**24
 STALE_WEIGHT = 1e-6
-"""hivemind needs a positive weight; a member whose base is stale takes part with this one."""  # the group key carries the round number modulo 2**24
+"""hivemind needs a positive weight; a member whose base is stale takes part with this one."""
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1 + 4 / BLOCK}
 
 
