@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -33,6 +34,7 @@ CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 256
 """Chunks in flight per direction before the relay stops reading (bounded memory: ~16 MiB)."""
 CONTACT_POLL_S = 0.05
+STATS_EVERY_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +86,8 @@ class Relay:
         self.contact = contact
         self.server: asyncio.Server | None = None
         self.connections = 0
+        self.bytes = {"to_node": 0, "from_node": 0}
+        """Bytes forwarded each way (what the emulated link carried)."""
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -102,7 +106,8 @@ class Relay:
             client_writer.close()
             return
         await asyncio.gather(
-            self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer), return_exceptions=True
+            self._pump(client_reader, upstream_writer, "to_node"), self._pump(upstream_reader, client_writer, "from_node"),
+            return_exceptions=True,
         )
         for w in (client_writer, upstream_writer):
             w.close()
@@ -111,7 +116,7 @@ class Relay:
         while self.contact is not None and not self.contact.in_contact():
             await asyncio.sleep(CONTACT_POLL_S)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
         delay_s, rate = self.profile.delay_s, self.profile.rate_bytes_per_s
@@ -128,6 +133,7 @@ class Relay:
                 await self._open()
                 writer.write(data)
                 await writer.drain()
+                self.bytes[direction] += len(data)
 
         sender = asyncio.ensure_future(send())
         last = 0.0
@@ -188,6 +194,7 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
     parser.add_argument("--rate-mbit", type=float, metavar="MBIT", help="rate cap per direction instead of the profile's (0: none)")
     parser.add_argument("--contact", metavar="SPEC", help="forward only in these windows, e.g. 'up 10s every 30s'")
     parser.add_argument("--port-file", metavar="PATH", help="write the port the relay listens on here")
+    parser.add_argument("--stats-file", metavar="PATH", help=f"write the bytes forwarded each way here (JSON), every {STATS_EVERY_S:g} s and at exit")
     try:
         args = parser.parse_args(list(argv))
     except SystemExit as e:
@@ -218,8 +225,20 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         started = time.monotonic()
-        await stop.wait()
+
+        def write_stats() -> None:
+            if args.stats_file:
+                stats = {**relay.bytes, "connections": relay.connections, "seconds": round(time.monotonic() - started, 3)}
+                write_lines(args.stats_file, [json.dumps(stats)])
+
+        while not stop.is_set():
+            write_stats()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=STATS_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
         await relay.close()
+        write_stats()
         logger.info("relay ran %.1fs, %d connections", time.monotonic() - started, relay.connections)
         return 0
 

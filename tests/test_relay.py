@@ -74,6 +74,11 @@ async def test_rate_cap_per_direction():
     await writer.drain()
     await asyncio.wait_for(got.wait(), 10)
     seconds = received[0] - started - 0.02
+    for _ in range(100):  # the relay counts a chunk once the node's side took it
+        if relay.bytes["to_node"] == 2_000_000:
+            break
+        await asyncio.sleep(0.01)
+    assert relay.bytes == {"to_node": 2_000_000, "from_node": 0}
     writer.close()
     await relay.close()
     server.close()

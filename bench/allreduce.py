@@ -1,0 +1,208 @@
+"""Averaging speed: our averaging path (hivemind, as the islands use it) against torch.distributed gloo.
+
+    python -m bench.allreduce --out bench/results/allreduce.json [--peers 2 3 4] [--sizes-mb 1 10 100]
+
+For each peer count, that many processes on 127.0.0.1 average one fp32 tensor of
+each size a few times: through `FragmentAveraging.average` (a hivemind DHT and
+one averager per size, no compression: the path a fragment's round takes,
+matchmaking included) and through gloo's `all_reduce` on the same tensors
+(the result divided by the peer count). Every round starts at a barrier; its
+time is the slowest peer's, and the figure is the median over rounds.
+The first hivemind round of each peer count is checked against the exact mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+from islands.protocols.averaging import PART_SIZE_BYTES
+
+from .common import plot, table, write
+
+RUN_ID = "bench-allreduce"
+
+
+def _tensor(rank: int, numel: int):
+    import torch
+
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def _numel(megabytes: float) -> int:
+    return int(megabytes * 1e6 / 4)
+
+
+def _row(backend: str, peers: int, mb: float, round_: int, outcome: str, group: int, seconds: float, error: float | None) -> dict:
+    return {"backend": backend, "peers": peers, "megabytes": mb, "round": round_, "outcome": outcome, "group": group,
+            "seconds": seconds, "error": error}
+
+
+def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, part_size_bytes: int, maddrs, barrier, results) -> None:
+    import torch
+    from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
+    from islands.protocols.diloco import Contribution
+    from islands.protocols.dht import SwarmDHT
+
+    torch.set_num_threads(1)
+    swarm = SwarmDHT.start(
+        RUN_ID, initial_peers=[] if rank == 0 else [maddrs.get(timeout=60)], host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+    )
+    if rank == 0:
+        for _ in range(peers - 1):
+            maddrs.put(swarm.visible_maddrs()[0])
+    shapes = [[("x", (_numel(mb),))] for mb in sizes_mb]
+    averaging = FragmentAveraging(
+        swarm.dht, RUN_ID, shapes, "none", expected_group=lambda: peers,
+        timeouts=AveragingTimeouts(match_wait_s=10.0, allreduce_s=120.0, next_chunk_s=60.0), part_size_bytes=part_size_bytes,
+    )
+
+    async def run() -> None:
+        for f, mb in enumerate(sizes_mb):
+            x = _tensor(rank, _numel(mb))
+            for r in range(rounds):
+                await asyncio.to_thread(barrier.wait, 120)
+                started = time.perf_counter()
+                got = await averaging.average(Contribution(fragment=f, round=f * 1000 + r, step=r, delta={"x": x}, weight=1.0))
+                seconds = time.perf_counter() - started
+                error = None
+                if f == 0 and r == 0:
+                    mean = sum(_tensor(k, x.numel()) for k in range(peers)) / peers
+                    error = float((got.delta["x"] - mean).abs().max())
+                results.put(_row("hivemind", peers, mb, r, got.outcome, got.group_size, seconds, error))
+
+    try:
+        asyncio.run(run())
+        barrier.wait(120)  # nobody leaves while another still averages
+    finally:
+        averaging.shutdown()
+        swarm.shutdown()
+
+
+def _gloo_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=peers)
+    try:
+        for mb in sizes_mb:
+            x = _tensor(rank, _numel(mb))
+            for r in range(rounds):
+                y = x.clone()
+                dist.barrier()
+                started = time.perf_counter()
+                dist.all_reduce(y)
+                y /= peers
+                results.put(_row("gloo", peers, mb, r, "ok", peers, time.perf_counter() - started, None))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(backend: str, peers: int, sizes_mb: list[float], rounds: int, timeout_s: float, part_size_bytes: int = PART_SIZE_BYTES) -> list[dict]:
+    ctx = mp.get_context("fork")  # hivemind forks its own helpers; the parent has not started torch or threads
+    results = ctx.Queue()
+    if backend == "hivemind":
+        maddrs, barrier = ctx.Queue(), ctx.Barrier(peers)
+        procs = [ctx.Process(target=_hivemind_peer, args=(k, peers, sizes_mb, rounds, part_size_bytes, maddrs, barrier, results)) for k in range(peers)]
+    else:
+        from tests.procs import free_port
+
+        port = free_port()
+        procs = [ctx.Process(target=_gloo_peer, args=(k, peers, sizes_mb, rounds, port, results)) for k in range(peers)]
+    for p in procs:
+        p.start()
+    expected = peers * rounds * len(sizes_mb)
+    rows: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(rows) < expected and time.monotonic() < deadline:
+            try:
+                rows.append(results.get(timeout=1.0))
+            except Exception:  # noqa: BLE001 - queue.Empty: check the peers are alive
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{backend} peer failed: exit codes {[p.exitcode for p in procs]}") from None
+        if len(rows) < expected:
+            raise RuntimeError(f"{backend} with {peers} peers: {len(rows)} of {expected} results within {timeout_s}s")
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (backend, peers, size): the median over rounds of the slowest peer's time (a round
+    that did not average over every peer counts as infinitely slow)."""
+    out = []
+    for key in sorted({(r["backend"], r["peers"], r["megabytes"]) for r in rows}):
+        mine = [r for r in rows if (r["backend"], r["peers"], r["megabytes"]) == key]
+        per_round: dict[int, list[float]] = {}
+        for r in mine:
+            full = r["outcome"] == "ok" and r["group"] == r["peers"]
+            per_round.setdefault(r["round"], []).append(r["seconds"] if full else float("inf"))
+        slowest = [max(v) for v in per_round.values()]
+        errors = [r["error"] for r in mine if r["error"] is not None]
+        out.append({
+            "backend": key[0], "peers": key[1], "megabytes": key[2], "rounds": len(slowest),
+            "seconds_median": round(statistics.median(slowest), 4),
+            "rounds_complete": sum(s != float("inf") for s in slowest),
+            "max_error": max(errors) if errors else None,
+        })
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="JSON file for the figures (a PNG is written next to it)")
+    p.add_argument("--peers", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 10.0, 100.0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--part-kb", type=int, default=PART_SIZE_BYTES // 1024, help="hivemind's part size (KiB)")
+    p.add_argument("--backends", nargs="+", default=["gloo", "hivemind"])
+    args = p.parse_args()
+    rows: list[dict] = []
+    for peers in args.peers:
+        for backend in args.backends:
+            started = time.monotonic()
+            rows += _run(backend, peers, args.sizes_mb, args.rounds, timeout_s=300, part_size_bytes=args.part_kb * 1024)
+            print(f"{backend}, {peers} peers: {time.monotonic() - started:.1f}s", flush=True)
+    results = summarize(rows)
+    by = {(r["backend"], r["peers"], r["megabytes"]): r for r in results}
+    lines = []
+    for peers in args.peers:
+        for mb in args.sizes_mb:
+            h, g = by.get(("hivemind", peers, mb)), by.get(("gloo", peers, mb))
+            line = {"peers": peers, "megabytes": mb, "hivemind_seconds": h and h["seconds_median"], "gloo_seconds": g and g["seconds_median"],
+                    "ratio": h and g and round(h["seconds_median"] / g["seconds_median"], 2),
+                    "hivemind_rounds_complete": h and h["rounds_complete"], "hivemind_max_error": h and h["max_error"]}
+            lines.append(line)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print(table([[str(x["peers"]), f"{x['megabytes']:g}", fmt(x["hivemind_seconds"], ".3f"), fmt(x["gloo_seconds"], ".3f"),
+                  fmt(x["ratio"], ".1f"), fmt(x["hivemind_rounds_complete"], "d")] for x in lines],
+                ["peers", "MB", "ours (hivemind) s", "gloo s", "ratio (x)", f"rounds ok of {args.rounds}"]))
+    head = next((x for x in lines if x["megabytes"] == max(args.sizes_mb) and x["peers"] == min(args.peers)), lines[-1])
+    figures = {
+        "hivemind_seconds": head["hivemind_seconds"], "gloo_seconds": head["gloo_seconds"], "ratio": head["ratio"],
+        "megabytes": head["megabytes"], "peers": head["peers"], "part_size_bytes": args.part_kb * 1024,
+        "rows": lines, "rounds": args.rounds,
+    }
+    write(args.out, figures)
+    if args.out:
+        series = {}
+        for r in results:
+            series.setdefault(f"{'ours (hivemind)' if r['backend'] == 'hivemind' else 'gloo'}, {r['peers']} peers", []).append(
+                (r["megabytes"], r["seconds_median"]))
+        plot(Path(args.out).with_suffix(".png"), "Averaging time vs size (127.0.0.1, median of rounds)", series,
+             xlabel="megabytes (fp32)", ylabel="seconds", log=True)
+
+
+if __name__ == "__main__":
+    main()
