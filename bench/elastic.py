@@ -19,32 +19,11 @@ import statistics
 import time
 from pathlib import Path
 
-from tests.procs import NodeProcess
+from tests.procs import Nodes
 
 from .common import table, write
 
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--match-wait-s", "3"]
-
-
-class Nodes:
-    def __init__(self, root: Path):
-        self.root = root
-        self.started: list[NodeProcess] = []
-
-    def start(self, name: str, args: list[str]) -> NodeProcess:
-        node = NodeProcess(args, self.root / name, name=name)
-        node.t_start = time.time()
-        self.started.append(node)
-        return node
-
-    def first(self, name: str, args: list[str]) -> tuple[NodeProcess, str]:
-        maddr = self.root / f"{name}.maddr"
-        node = self.start(name, [*args, "--maddr-file", str(maddr)])
-        return node, node.wait_file(maddr, 60)
-
-    def stop(self) -> None:
-        for node in self.started:
-            node.stop()
 
 
 def _median(xs: list[float]) -> float | None:

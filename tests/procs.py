@@ -150,8 +150,47 @@ class RelayProcess:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """SIGTERM (the relay writes its final --stats-file), SIGKILL if it does not go."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait(timeout=10)
         self._stderr.close()
+
+
+class Nodes:
+    """Named node processes (and the relays in front of them) under one folder, stopped together:
+    the launcher of the benchmarks, which run outside pytest's fixtures."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.started: list[NodeProcess] = []
+        self.relays: list[RelayProcess] = []
+
+    def start(self, name: str, args: list[str], relay: list[str] | None = None) -> NodeProcess:
+        """With `relay` (the relay's options), the node listens on a fresh port behind a relay and announces it."""
+        if relay is not None:
+            port = free_port()
+            link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")])
+            self.relays.append(link)
+            args = [*args, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", link.maddr]
+        node = NodeProcess(args, self.root / name, name=name)
+        node.t_start = time.time()
+        self.started.append(node)
+        return node
+
+    def first(self, name: str, args: list[str], relay: list[str] | None = None) -> tuple[NodeProcess, str]:
+        """The node that starts the swarm, and the address the others join."""
+        maddr = self.root / f"{name}.maddr"
+        node = self.start(name, [*args, "--maddr-file", str(maddr)], relay)
+        return node, node.wait_file(maddr, 60)
+
+    def stop(self) -> None:
+        for node in self.started:
+            node.stop()
+        for link in self.relays:
+            link.stop()
