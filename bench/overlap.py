@@ -57,7 +57,7 @@ def run(root: Path, name: str, schedule: list[str], args: argparse.Namespace) ->
             code = node.wait_exit(args.timeout_s)
             if code != 0:
                 raise RuntimeError(f"{name}: island exited {code}:\n{node.stderr()}")
-        per_island = [utilization(n.events, args.window) for n in (a, b)]
+        per_island = [utilization(n.poll_events(), args.window) for n in (a, b)]
         link = [json.loads((root / name / n / "relay.json").read_text()) for n in ("a", "b")]
     finally:
         nodes.stop()

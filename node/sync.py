@@ -21,8 +21,13 @@ from islands.protocols.schedule import fragments_starting, next_sync_step, round
 
 logger = logging.getLogger(__name__)
 
+PREFETCH_STEPS = 3
+"""A round's averager starts reading the island records this many steps before the round starts."""
+
 
 class Averager(Protocol):
+    def prefetch(self) -> None: ...
+
     async def average(self, contribution: Contribution) -> RoundResult: ...
 
     async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
@@ -80,6 +85,8 @@ class FragmentSync:
     async def after_step(self, step: int, tokens: int) -> None:
         cfg = self.diloco.cfg
         self.diloco.add_tokens(tokens)
+        if fragments_starting(step + PREFETCH_STEPS, cfg.window, cfg.fragments):
+            self.averager.prefetch()
         for p in fragments_starting(step, cfg.window, cfg.fragments):
             await self._start(p, step)
         for p in [p for p, pend in self.pending.items() if pend.apply_step <= step]:

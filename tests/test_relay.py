@@ -92,3 +92,25 @@ def test_relay_command_refuses_bad_input(capsys):
     assert "contact 'sometimes'" in capsys.readouterr().err
     assert main(["relay", "--to", "nowhere"], environ={}) == 2
     assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+async def test_relay_command_counts_the_bytes_it_forwarded(tmp_path):
+    """`islands-node relay --stats-file`: what the link carried each way, written at exit."""
+    import json
+
+    from .procs import RelayProcess
+
+    server, port = await _echo_server()
+    stats = tmp_path / "relay.json"
+    relay = RelayProcess(port, tmp_path, ["--profile", "lan", "--stats-file", str(stats)])
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(b"y" * 100_000)
+        await writer.drain()
+        assert len(await asyncio.wait_for(reader.readexactly(100_000), 10)) == 100_000
+        writer.close()
+    finally:
+        relay.stop()
+        server.close()
+    got = json.loads(stats.read_text())
+    assert (got["to_node"], got["from_node"], got["connections"]) == (100_000, 100_000, 1), got

@@ -1,0 +1,172 @@
+"""Quality and traffic against data parallelism, at equal tokens.
+
+    python -m bench.parity --out bench/results/parity.json [--steps 600] [--window 100] [--compression none fp16 int8]
+
+The same model (`tiny`), data (the standard library's sources) and total tokens, trained three ways:
+- dp: one process whose batch is the sum of the islands' batches, for the swarm's steps; it
+  never averages (its window is longer than the run), so it computes exactly what synchronous
+  data parallelism over the two islands would;
+- solo: one island with one island's batch for twice the steps, Streaming DiLoCo alone;
+- swarm: two islands with Streaming DiLoCo, once per compression setting.
+
+eval_loss is on the same held-out batches for all: dp's trained model, the agreed model
+(`global.safetensors`) of the DiLoCo runs (the islands' mean). Bytes per step of dp are what
+a ring all-reduce of fp32 gradients sends per worker: 2 (n-1)/n * 4 bytes * parameters.
+The swarm's are measured on the wire: each island sits behind a relay (`lan` profile) that
+counts every byte it forwards, DHT traffic and consensus rounds included; their sum over both
+relays, divided by islands and steps, is what one island sent per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from tests.procs import Nodes
+
+from .common import plot, table, write
+
+SEQ_LEN = 128
+
+
+def _parameters(model: str) -> int:
+    from islands.models.transformer import Transformer, model_config
+
+    return sum(p.numel() for p in Transformer(model_config(model)).parameters())
+
+
+def _finish(nodes: list, timeout_s: float, what: str) -> None:
+    for node in nodes:
+        code = node.wait_exit(timeout_s)
+        if code != 0:
+            raise RuntimeError(f"{what}: exited {code}:\n{node.stderr()}")
+
+
+def _curve(events: list[dict], tokens_per_step: int) -> list[tuple[int, float]]:
+    """(total tokens, eval_loss) at every evaluation of the (local) model."""
+    return [(e["step"] * tokens_per_step, e["eval_loss"]) for e in events if e["event"] == "eval" and "global_eval_loss" not in e]
+
+
+def dp(root: Path, args: argparse.Namespace) -> dict:
+    nodes = Nodes(root)
+    try:
+        node = nodes.start("dp", [*args.common, "--steps", str(args.steps), "--batch-size", str(2 * args.batch_size),
+                                  "--window", str(10 * args.steps), "--fragments", "1", "--eval-every", str(args.steps // 10),
+                                  "--run-id", "bench-parity-dp"])
+        _finish([node], args.timeout_s, "dp")
+        summary = node.of("summary")[0]
+        return {"eval_loss": summary["eval_loss"], "tokens": summary["tokens"],
+                "curve": _curve(node.events, 2 * args.batch_size * SEQ_LEN)}
+    finally:
+        nodes.stop()
+
+
+def solo(root: Path, args: argparse.Namespace) -> dict:
+    nodes = Nodes(root)
+    try:
+        steps = 2 * args.steps
+        node = nodes.start("solo", [*args.common, *args.schedule, "--steps", str(steps), "--batch-size", str(args.batch_size),
+                                    "--eval-every", str(steps // 10), "--run-id", "bench-parity-solo"])
+        _finish([node], args.timeout_s, "solo")
+        summary = node.of("summary")[0]
+        return {"eval_loss": summary["global_eval_loss"], "local_eval_loss": summary["eval_loss"], "tokens": summary["tokens"],
+                "curve": _curve(node.events, args.batch_size * SEQ_LEN)}
+    finally:
+        nodes.stop()
+
+
+def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
+    nodes = Nodes(root)
+    common = [*args.common, *args.schedule, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+              "--eval-every", str(args.steps // 10), "--compression", compression, "--wait-islands", "2",
+              "--run-id", f"bench-parity-{compression}"]
+    relay = ["--profile", "lan"]
+    try:
+        a, join = nodes.first("a", common, relay)
+        b = nodes.start("b", [*common, "--join", join], relay)
+        _finish([a, b], args.timeout_s, f"swarm ({compression})")
+        summaries = [n.of("summary")[0] for n in (a, b)]
+        syncs = [s for n in (a, b) for s in n.of("sync")]
+        curves = [_curve(n.events, args.batch_size * SEQ_LEN) for n in (a, b)]
+    finally:
+        nodes.stop()
+    wire = sum(sum(json.loads((root / n / "relay.json").read_text())[k] for k in ("to_node", "from_node")) for n in ("a", "b"))
+    return {
+        "eval_loss": statistics.mean(s["global_eval_loss"] for s in summaries),
+        "local_eval_loss": statistics.mean(s["eval_loss"] for s in summaries),
+        "tokens": sum(s["tokens"] for s in summaries),
+        "bytes_on_wire": wire,
+        "bytes_per_step_measured": wire / 2 / args.steps,
+        "bytes_per_step_counted": statistics.mean(s["bytes_sent"] for s in summaries) / args.steps,
+        "syncs": len(syncs), "syncs_ok": sum(s["outcome"] == "ok" for s in syncs),
+        "consensus_rounds": sum(1 for s in syncs if s.get("consensus")) // 2,
+        # two islands, equal tokens at every step: the swarm's tokens at step k are 2 * batch * k
+        "curve": [(2 * t, statistics.mean(v for v in vals)) for t, *vals in _zip_curves(curves)],
+    }
+
+
+def _zip_curves(curves: list[list[tuple[int, float]]]) -> list[tuple]:
+    common = sorted(set.intersection(*(set(t for t, _ in c) for c in curves)))
+    lookup = [dict(c) for c in curves]
+    return [(t, *(d[t] for d in lookup)) for t in common]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="JSON file for the figures (a PNG is written next to it)")
+    p.add_argument("--steps", type=int, default=600, help="steps of each swarm island and of dp (solo runs twice as many)")
+    p.add_argument("--batch-size", type=int, default=8, help="one island's batch (dp's is twice this)")
+    p.add_argument("--window", type=int, default=100)
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--compression", nargs="+", default=["none", "fp16", "int8"])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per run")
+    p.add_argument("--run-dir", default="bench-runs/parity")
+    args = p.parse_args()
+    root = Path(args.run_dir)
+    shutil.rmtree(root, ignore_errors=True)
+    args.common = ["--model", args.model, "--seq-len", str(SEQ_LEN), "--checkpoint-every", str(100 * args.steps)]
+    args.schedule = ["--window", str(args.window), "--fragments", str(args.fragments)]
+    params = _parameters(args.model)
+    bytes_per_step_dp = 2 * (2 - 1) / 2 * 4 * params
+    base = dp(root / "dp", args)
+    alone = solo(root / "solo", args)
+    runs = {c: swarm(root / f"swarm-{c}", args, c) for c in args.compression}
+    rows = [["dp", f"{base['eval_loss']:.4f}", "1.000", f"{bytes_per_step_dp / 1e3:.0f}", "-", "1"],
+            ["solo", f"{alone['eval_loss']:.4f}", f"{alone['eval_loss'] / base['eval_loss']:.3f}", "0", "-", "-"]]
+    per_compression = {}
+    for c, r in runs.items():
+        ratio = r["eval_loss"] / base["eval_loss"]
+        reduction = bytes_per_step_dp / r["bytes_per_step_measured"]
+        per_compression[c] = {
+            "swarm_eval_loss": round(r["eval_loss"], 4), "swarm_local_eval_loss": round(r["local_eval_loss"], 4),
+            "ratio_swarm_to_dp": round(ratio, 4), "bytes_per_step_swarm": round(r["bytes_per_step_measured"]),
+            "bytes_per_step_swarm_counted": round(r["bytes_per_step_counted"]), "wire_reduction": round(reduction, 1),
+            "syncs_ok": r["syncs_ok"], "syncs": r["syncs"], "consensus_rounds": r["consensus_rounds"], "tokens": r["tokens"],
+        }
+        rows.append([f"swarm ({c})", f"{r['eval_loss']:.4f}", f"{ratio:.3f}", f"{r['bytes_per_step_measured'] / 1e3:.1f}",
+                     f"{r['bytes_per_step_counted'] / 1e3:.1f}", f"{reduction:.0f}x"])
+    print(table(rows, ["run", "eval_loss", "ratio to dp", "kB/step/island (wire)", "kB/step (counted)", "wire reduction"]))
+    best = min(per_compression, key=lambda c: per_compression[c]["bytes_per_step_swarm"])
+    head = per_compression[best]
+    write(args.out, {
+        "dp_eval_loss": round(base["eval_loss"], 4), "swarm_eval_loss": head["swarm_eval_loss"], "solo_eval_loss": round(alone["eval_loss"], 4),
+        "ratio_swarm_to_dp": head["ratio_swarm_to_dp"], "bytes_per_step_dp": round(bytes_per_step_dp),
+        "bytes_per_step_swarm": head["bytes_per_step_swarm"], "wire_reduction": head["wire_reduction"], "compression": best,
+        "per_compression": per_compression, "parameters": params, "solo_local_eval_loss": round(alone["local_eval_loss"], 4),
+        "tokens": {"dp": base["tokens"], "solo": alone["tokens"], **{f"swarm_{c}": r["tokens"] for c, r in runs.items()}},
+        "config": {"steps": args.steps, "batch_size": args.batch_size, "window": args.window, "fragments": args.fragments,
+                   "model": args.model, "seq_len": SEQ_LEN, "islands": 2},
+    })
+    if args.out:
+        series = {"data-parallel (batch 2x)": base["curve"], "solo island (2x steps)": alone["curve"]}
+        series.update({f"swarm of 2, {c}": r["curve"] for c, r in runs.items()})
+        plot(Path(args.out).with_suffix(".png"), f"eval_loss at equal tokens ({args.model}, H={args.window}, P={args.fragments})", series,
+             xlabel="tokens (all islands)", ylabel="eval_loss (held-out bytes)")
+
+
+if __name__ == "__main__":
+    main()
