@@ -45,8 +45,8 @@ def _row(backend: str, peers: int, mb: float, round_: int, outcome: str, group: 
 def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, part_size_bytes: int, maddrs, barrier, results) -> None:
     import torch
     from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
-    from islands.protocols.diloco import Contribution
     from islands.protocols.dht import SwarmDHT
+    from islands.protocols.diloco import Contribution
 
     torch.set_num_threads(1)
     swarm = SwarmDHT.start(

@@ -293,8 +293,10 @@ class Island:
             await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
             if step >= cfg.train.steps and not satellite and network.expected_group() > 1:
                 # the islands end together: one last agreement on every fragment
-                verdicts = await sync.agree(round_number(step, cfg.diloco.window) + 1)
-                events.emit("agree", step=step, fragments=verdicts)
+                verdicts, agree_bytes = await sync.agree(round_number(step, cfg.diloco.window) + 1)
+                totals["bytes_sent"] += agree_bytes
+                totals["bytes_recv"] += agree_bytes
+                events.emit("agree", step=step, fragments=verdicts, bytes_sent=agree_bytes)
             await network.withdraw()
             path = await in_torch_thread(save)
             eval_loss = await in_torch_thread(trainer.evaluate)

@@ -221,15 +221,17 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
-    async def agree(self, round_: int) -> list[str]:
+    async def agree(self, round_: int) -> tuple[list[str], int]:
         """At the end of a run: average every fragment's agreed values and momentum once more
         (a consensus round keyed `round_`, which no training round uses), so that a round split
-        in the last window, with no later round to heal it, does not leave the islands apart."""
-        verdicts = []
+        in the last window, with no later round to heal it, does not leave the islands apart.
+        Returns each fragment's verdict and the bytes sent (as many received)."""
+        verdicts, sent = [], 0
         for p in range(self.diloco.cfg.fragments):
-            verdict, _ = await self._consensus(p, round_, stale=False)
+            verdict, nbytes = await self._consensus(p, round_, stale=False)
             verdicts.append(verdict)
-        return verdicts
+            sent += nbytes
+        return verdicts, sent
 
     async def flush(self, step: int, budget_s: float | None = None) -> None:
         """Finish every round in flight now and apply it; with `budget_s` (leaving), rounds not
