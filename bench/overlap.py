@@ -17,7 +17,6 @@ switched off so that only the synchronisation competes with compute.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -53,18 +52,14 @@ def run(root: Path, name: str, schedule: list[str], args: argparse.Namespace) ->
     try:
         a, join = nodes.first("a", common, relay)
         b = nodes.start("b", [*common, "--join", join], relay)
-        for node in (a, b):
-            code = node.wait_exit(args.timeout_s)
-            if code != 0:
-                raise RuntimeError(f"{name}: island exited {code}:\n{node.stderr()}")
+        nodes.finish([a, b], args.timeout_s)
         per_island = [utilization(n.poll_events(), args.window) for n in (a, b)]
-        link = [json.loads((root / name / n / "relay.json").read_text()) for n in ("a", "b")]
     finally:
         nodes.stop()
     return {
         "utilization": round(min(u["utilization"] for u in per_island), 4),
         "islands": per_island,
-        "link_bytes": sum(r["to_node"] + r["from_node"] for r in link),
+        "link_bytes": nodes.link_bytes(["a", "b"]),
     }
 
 

@@ -21,10 +21,11 @@ step. The agreement (about twice the model, once) is also reported apart: a long
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
+
+from islands.protocols.averaging import allreduce_wire_bytes
 
 from tests.procs import Nodes
 
@@ -39,13 +40,6 @@ def _parameters(model: str) -> int:
     return sum(p.numel() for p in Transformer(model_config(model)).parameters())
 
 
-def _finish(nodes: list, timeout_s: float, what: str) -> None:
-    for node in nodes:
-        code = node.wait_exit(timeout_s)
-        if code != 0:
-            raise RuntimeError(f"{what}: exited {code}:\n{node.stderr()}")
-
-
 def _curve(events: list[dict], tokens_per_step: int) -> list[tuple[int, float]]:
     """(total tokens, eval_loss) at every evaluation of the (local) model."""
     return [(e["step"] * tokens_per_step, e["eval_loss"]) for e in events if e["event"] == "eval" and "global_eval_loss" not in e]
@@ -57,7 +51,7 @@ def dp(root: Path, args: argparse.Namespace) -> dict:
         node = nodes.start("dp", [*args.common, "--steps", str(args.steps), "--batch-size", str(2 * args.batch_size),
                                   "--window", str(10 * args.steps), "--fragments", "1", "--eval-every", str(args.steps // 10),
                                   "--run-id", "bench-parity-dp"])
-        _finish([node], args.timeout_s, "dp")
+        nodes.finish([node], args.timeout_s)
         summary = node.of("summary")[0]
         return {"eval_loss": summary["eval_loss"], "tokens": summary["tokens"],
                 "curve": _curve(node.events, 2 * args.batch_size * SEQ_LEN)}
@@ -71,7 +65,7 @@ def solo(root: Path, args: argparse.Namespace) -> dict:
         steps = 2 * args.steps
         node = nodes.start("solo", [*args.common, *args.schedule, "--steps", str(steps), "--batch-size", str(args.batch_size),
                                     "--eval-every", str(steps // 10), "--run-id", "bench-parity-solo"])
-        _finish([node], args.timeout_s, "solo")
+        nodes.finish([node], args.timeout_s)
         summary = node.of("summary")[0]
         return {"eval_loss": summary["global_eval_loss"], "local_eval_loss": summary["eval_loss"], "tokens": summary["tokens"],
                 "curve": _curve(node.events, args.batch_size * SEQ_LEN)}
@@ -88,14 +82,14 @@ def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
     try:
         a, join = nodes.first("a", common, relay)
         b = nodes.start("b", [*common, "--join", join], relay)
-        _finish([a, b], args.timeout_s, f"swarm ({compression})")
+        nodes.finish([a, b], args.timeout_s)
         summaries = [n.of("summary")[0] for n in (a, b)]
         syncs = [s for n in (a, b) for s in n.of("sync")]
         curves = [_curve(n.events, args.batch_size * SEQ_LEN) for n in (a, b)]
         agreed = [e.get("bytes_sent", 0) for n in (a, b) for e in n.of("agree")]
     finally:
         nodes.stop()
-    wire = sum(sum(json.loads((root / n / "relay.json").read_text())[k] for k in ("to_node", "from_node")) for n in ("a", "b"))
+    wire = nodes.link_bytes(["a", "b"])
     return {
         "eval_loss": statistics.mean(s["global_eval_loss"] for s in summaries),
         "local_eval_loss": statistics.mean(s["eval_loss"] for s in summaries),
@@ -136,7 +130,7 @@ def main() -> None:
     args.common = ["--model", args.model, "--seq-len", str(SEQ_LEN), "--checkpoint-every", str(100 * args.steps)]
     args.schedule = ["--window", str(args.window), "--fragments", str(args.fragments)]
     params = _parameters(args.model)
-    bytes_per_step_dp = 2 * (2 - 1) / 2 * 4 * params
+    bytes_per_step_dp = allreduce_wire_bytes(params, 2, "none")  # a ring all-reduce sends what a butterfly does
     base = dp(root / "dp", args)
     alone = solo(root / "solo", args)
     runs = {c: swarm(root / f"swarm-{c}", args, c) for c in args.compression}

@@ -241,19 +241,23 @@ class FragmentAveraging:
         takes a few round trips, which the round then does not wait for (see `_read_peers`)."""
         if self.refresh_peers is None:
             return
-        if self._records_read is not None and not self._records_read.done() and time.monotonic() - self._records_read_started < PEERS_FRESH_S:
-            return
-        self._records_read_started = time.monotonic()
-        self._records_read = asyncio.ensure_future(self.refresh_peers())
+        if self._records_read is None or self._records_read.done() or not self._records_read_fresh():
+            self._start_records_read()
 
     async def _read_peers(self) -> None:
         """The records as of at most PEERS_FRESH_S ago (a prefetched read, or a new one)."""
         if self.refresh_peers is None:
             return
-        if self._records_read is None or time.monotonic() - self._records_read_started > PEERS_FRESH_S:
-            self._records_read_started = time.monotonic()
-            self._records_read = asyncio.ensure_future(self.refresh_peers())
+        if self._records_read is None or not self._records_read_fresh():
+            self._start_records_read()
         await asyncio.shield(self._records_read)  # bounded inside refresh_peers
+
+    def _records_read_fresh(self) -> bool:
+        return time.monotonic() - self._records_read_started <= PEERS_FRESH_S
+
+    def _start_records_read(self) -> None:
+        self._records_read_started = time.monotonic()
+        self._records_read = asyncio.ensure_future(self.refresh_peers())
 
     async def average(self, contribution: Contribution) -> RoundResult:
         c = contribution

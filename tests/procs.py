@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -188,6 +189,18 @@ class Nodes:
         maddr = self.root / f"{name}.maddr"
         node = self.start(name, [*args, "--maddr-file", str(maddr)], relay)
         return node, node.wait_file(maddr, 60)
+
+    def finish(self, nodes: list[NodeProcess], timeout_s: float) -> None:
+        """Wait for these nodes to exit; RuntimeError (with its stderr) for one that exits non-zero."""
+        for node in nodes:
+            code = node.wait_exit(timeout_s)
+            if code != 0:
+                raise RuntimeError(f"{node.run_dir.name}: exited {code}:\n{node.stderr()}")
+
+    def link_bytes(self, names: list[str]) -> int:
+        """Bytes the relays in front of these nodes forwarded, both ways (read once they stopped)."""
+        stats = [json.loads((self.root / n / "relay.json").read_text()) for n in names]
+        return sum(r["to_node"] + r["from_node"] for r in stats)
 
     def stop(self) -> None:
         for node in self.started:
