@@ -1,16 +1,31 @@
-"""The swarm's DHT: start or join it, publish and read the run manifest and the island records."""
+"""The swarm's DHT: start or join it, publish and read the run manifest and the island records.
+
+Records are signed (hivemind's RSA signature validator): each island writes
+its island record and its copy of the manifest under a subkey that carries
+its public key, the key its libp2p peer id is derived from. A record can
+then be written only by the island it names; one whose signature, owner or
+content does not hold is dropped and counted (`forged_records`,
+`malformed_records`), never trusted and never a crash.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Sequence
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from .admission import SwarmKeyAuthorizer, namespace
 from .records import RECORD_TTL_S, IslandRecord, parse_island_record
+from .signing import load_identity, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +36,17 @@ DHT_TIMEOUT_S = 10.0
 class SwarmDHT:
     """The run's records on a hivemind DHT. Every call is bounded by DHT_TIMEOUT_S."""
 
-    def __init__(self, dht: DHT, run_id: str):
+    def __init__(self, dht: DHT, run_id: str, validator: RSASignatureValidator, swarm_key: bytes | None = None):
         self.dht = dht
         self.run_id = run_id
-        self.manifest_key = f"{run_id}:manifest"
-        self.islands_key = f"{run_id}:islands"
+        self.namespace = namespace(run_id, swarm_key)
+        """The prefix of every DHT key of this run (the run id, tagged when there is a swarm key)."""
+        self.manifest_key = f"{self.namespace}:manifest"
+        self.islands_key = f"{self.namespace}:islands"
+        self.owner = validator.local_public_key
+        """This node's subkey: its RSA public key, as hivemind's validator marks signed records."""
         self.malformed_records = 0
+        self.forged_records = 0
 
     @classmethod
     def start(
@@ -36,16 +56,25 @@ class SwarmDHT:
         initial_peers: Sequence[str] = (),
         host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
         announce_maddrs: Sequence[str] = (),
-        identity_path: str | None = None,
+        identity_path: str | os.PathLike | None = None,
         client_mode: bool = False,
+        swarm_key: bytes | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ) -> SwarmDHT:
+        """`identity_path`: the node's private key (created, owner-only, if missing); it is both its
+        libp2p identity and the key its records are signed with. Without one (status), a random key."""
         kwargs: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=client_mode)
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
+        key, peer_id = None, ""
         if identity_path:
-            kwargs["identity_path"] = identity_path
-        dht = DHT(initial_peers=list(initial_peers), start=True, **kwargs)
-        return cls(dht, run_id)
+            key, peer_id = load_identity(Path(identity_path))
+            kwargs["identity_path"] = str(identity_path)
+        validator = RSASignatureValidator(key)
+        if swarm_key is not None:
+            kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key, peer_id, on_refused)
+        dht = DHT(initial_peers=list(initial_peers), start=True, record_validators=[validator], **kwargs)
+        return cls(dht, run_id, validator, swarm_key)
 
     @property
     def peer_id(self) -> str:
@@ -57,27 +86,49 @@ class SwarmDHT:
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout=DHT_TIMEOUT_S)
 
+    async def _signed(self, key: str) -> dict[str, Any]:
+        """The values under `key` by the peer id of the island that signed each; others are counted."""
+        found = await self._call(self.dht.get, key, latest=True)
+        out: dict[str, Any] = {}
+        if found is None:
+            return out
+        if not isinstance(found.value, dict):  # a plain value where subkeys belong: nobody signed it
+            self.forged_records += 1
+            return out
+        for subkey, item in found.value.items():
+            peer_id = owner_peer_id(subkey)
+            if peer_id is None:  # not under a signing key (the validator already dropped bad signatures)
+                self.forged_records += 1
+                continue
+            out[peer_id] = getattr(item, "value", None)
+        return out
+
     async def get_manifest(self) -> dict | None:
-        found = await self._call(self.dht.get, self.manifest_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
+        """The manifest most islands signed (copies that differ from it are counted as forged)."""
+        copies = [v for v in (await self._signed(self.manifest_key)).values()]
+        good = [v for v in copies if isinstance(v, dict)]
+        self.malformed_records += len(copies) - len(good)
+        if not good:
             return None
-        return found.value
+        votes = Counter(json.dumps(v, sort_keys=True, default=str) for v in good)
+        winner, count = votes.most_common(1)[0]
+        self.forged_records += len(good) - count
+        return json.loads(winner)
 
     async def store_manifest(self, manifest: dict) -> bool:
-        return bool(await self._call(self.dht.store, self.manifest_key, manifest, get_dht_time() + MANIFEST_TTL_S))
+        return bool(
+            await self._call(self.dht.store, self.manifest_key, manifest, get_dht_time() + MANIFEST_TTL_S, subkey=self.owner)
+        )
 
     async def store_island(self, record: IslandRecord, ttl_s: float = RECORD_TTL_S) -> bool:
         return bool(
-            await self._call(self.dht.store, self.islands_key, record.to_value(), get_dht_time() + ttl_s, subkey=record.peer_id)
+            await self._call(self.dht.store, self.islands_key, record.to_value(), get_dht_time() + ttl_s, subkey=self.owner)
         )
 
     async def islands(self) -> dict[str, IslandRecord]:
-        found = await self._call(self.dht.get, self.islands_key, latest=True)
         out: dict[str, IslandRecord] = {}
-        if found is None or not isinstance(found.value, dict):
-            return out
-        for peer_id, item in found.value.items():
-            record = parse_island_record(peer_id, getattr(item, "value", None))
+        for peer_id, value in (await self._signed(self.islands_key)).items():
+            record = parse_island_record(peer_id, value)
             if record is None:
                 self.malformed_records += 1
                 continue
