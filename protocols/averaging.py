@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -30,13 +31,24 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 from hivemind.compression import serialization as hivemind_serialization
-from hivemind.proto import runtime_pb2
-from hivemind.utils import get_dht_time
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
+from .admission import admission_tag, derive, tag_valid, untagged_members
 from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
 from .consensus import TOLERANCE, consensus_needed
 from .diloco import Contribution, RoundResult
+from .validation import (
+    NormHistory,
+    Reputation,
+    check_consensus,
+    check_update,
+    consensus_bound,
+    member_report_bad,
+    tensors_norm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +167,39 @@ class IslandAverager(DecentralizedAverager):
     """
 
     state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+    round_key: bytes | None = None
+    """With a swarm key: the key of the admission tags every join request must carry."""
+    on_refused: Callable[[str], None] = staticmethod(lambda what: None)
+    """Called (in the averager's process) for every join request this island refuses as leader."""
+    banned: frozenset[str] = frozenset()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # noqa: UP006 - hivemind's servicer
+        # spots a streaming handler by typing's hint only (not collections.abc's)
+        why = self._refuse_join(request, context)
+        if why is not None:
+            self.on_refused(why)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def _refuse_join(self, request: averaging_pb2.JoinRequest, context) -> str | None:
+        """Why a join request is refused here (a banned peer, or no valid admission tag), or None."""
+        peer = context.remote_id.to_base58()
+        if peer in self.banned:
+            return f"round join from banned peer {peer}"
+        if self.round_key is None:
+            return None
+        try:
+            _, _, user_data = MSGPackSerializer.loads(request.gather)
+            tag = MSGPackSerializer.loads(user_data).get("auth")
+        except Exception:  # noqa: BLE001 - whatever a stranger sent
+            tag = None
+        if not tag_valid(self.round_key, peer, self._matchmaking.group_key_manager.current_key, tag):
+            return f"round join from {peer} without this swarm's key"
+        return None
 
     def get_current_state(self):
         if self.state_provider is None:
@@ -162,18 +207,31 @@ class IslandAverager(DecentralizedAverager):
         metadata, tensors = self.state_provider()
         return metadata, [t.detach().cpu().contiguous() for t in tensors], None
 
-    def set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase) -> None:
+    def set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase, banned: frozenset[str] = frozenset()) -> None:
         future = MPFuture()
-        kwargs = dict(group_bits=group_bits, target_group_size=target_group_size, compression=compression, future=future)
+        kwargs = dict(group_bits=group_bits, target_group_size=target_group_size, compression=compression, banned=banned, future=future)
         self._outer_pipe.send(("_set_round", [], kwargs))
         future.result(timeout=10)
 
-    async def _set_round(self, group_bits: str, target_group_size: int, compression: CompressionBase, future: MPFuture) -> None:
+    async def _set_round(
+        self, group_bits: str, target_group_size: int, compression: CompressionBase, banned: frozenset[str], future: MPFuture
+    ) -> None:
         mm = self._matchmaking
         mm.group_key_manager.group_bits = group_bits
         mm.target_group_size = target_group_size
         mm.potential_leaders.target_group_size = target_group_size
         self.allreduce_kwargs["compression"] = compression
+        self.banned = frozenset(banned)
+        if not getattr(mm, "_skips_banned_leaders", False):  # never follow a banned leader either
+            request_join = mm._request_join_group
+
+            async def request_join_unless_banned(leader):
+                if leader.to_base58() in self.banned:
+                    return None
+                return await request_join(leader)
+
+            mm._request_join_group = request_join_unless_banned
+            mm._skips_banned_leaders = True
         future.set_result(None)
 
 
@@ -183,7 +241,7 @@ class FragmentAveraging:
     def __init__(
         self,
         dht: DHT,
-        run_id: str,
+        namespace: str,
         shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
         compression: str,
         expected_group: Callable[[], int],
@@ -193,10 +251,22 @@ class FragmentAveraging:
         overlap: int = 0,
         follower: bool = False,
         part_size_bytes: int = PART_SIZE_BYTES,
+        swarm_key: bytes | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ):
         """`follower` (satellites): join groups that islands lead, never lead one, reduce no part
-        (hivemind's client mode), and wait longer for the islands' round to begin (they never wait for it)."""
+        (hivemind's client mode), and wait longer for the islands' round to begin (they never wait for it).
+
+        `namespace`: the run's DHT prefix (admission.namespace); `swarm_key`: rounds admit only members
+        that show a tag made with it; `on_refused(what)` hears of every join this island refuses."""
         install_codec_fixes()
+        self.peer_id = dht.peer_id.to_base58()
+        self.round_key = None if swarm_key is None else derive(swarm_key, "rounds")
+        self.reputation = Reputation()
+        self.history = [NormHistory() for _ in shapes]
+        """Per fragment, the norms of the averaged pseudo-gradients accepted lately (validation.py)."""
+        self.banned_events: list[str] = []
+        """Peers banned since the caller last looked (it logs them)."""
         self.follower = follower
         self.peer_progress = peer_progress or (lambda fragment: [])
         self.refresh_peers = refresh_peers
@@ -217,8 +287,8 @@ class FragmentAveraging:
             IslandAverager(
                 [torch.zeros(s, dtype=torch.float32) for _, s in frag],
                 dht,
-                start=True,
-                prefix=f"{run_id}:frag{p}",
+                start=False,
+                prefix=f"{namespace}:frag{p}",
                 min_group_size=2,
                 min_matchmaking_time=min(2.0, timeouts.match_wait_s),
                 request_timeout=timeouts.request_s,
@@ -235,6 +305,10 @@ class FragmentAveraging:
             )
             for p, frag in enumerate(shapes)
         ]
+        for averager in self.averagers:  # before their processes fork: they keep these
+            averager.round_key = self.round_key
+            averager.on_refused = on_refused or (lambda what: None)
+            averager.run_in_background(await_ready=True)
 
     def prefetch(self) -> None:
         """Start reading the island records for a round about to start: over a long link the read
@@ -276,9 +350,10 @@ class FragmentAveraging:
         # a delta taken against a base the swarm no longer has counts ~0 (a satellite's: less), see
         # outer.contribution_weight; hivemind needs a positive weight
         weight = max(c.weight, STALE_WEIGHT)
+        own_norm = tensors_norm(c.delta.values())
         gathered, delta = await self._allreduce(
             c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=weight,
-            gather={"round": c.round, "step": c.step, "weight": weight, "fp": c.fingerprint, "stale": c.staleness},
+            gather={"round": c.round, "step": c.step, "weight": weight, "fp": c.fingerprint, "stale": c.staleness, "norm": own_norm},
             compression=self.codec,
         )
         seconds = time.monotonic() - started
@@ -293,6 +368,13 @@ class FragmentAveraging:
             logger.warning("fragment %d: group mixed rounds %s; keeping own update", c.fragment, rounds)
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
         wire = allreduce_wire_bytes(self.num_values[c.fragment], len(gathered), self.compression)
+        why = self._validate(c, gathered, delta, own_norm)
+        if why is not None:
+            logger.warning("fragment %d round %d rejected: %s; applying own update", c.fragment, c.round, why)
+            return RoundResult(
+                outcome="rejected", delta=c.delta, group_size=len(gathered), weight=c.weight,
+                bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness, reason=why,
+            )
         return RoundResult(
             outcome="ok", delta=delta, group_size=len(gathered),
             weight=sum(float(m.get("weight", 0.0)) for m in gathered.values()),
@@ -302,6 +384,37 @@ class FragmentAveraging:
                 (m.get("fp", []) for m in gathered.values() if not m.get("stale")), TOLERANCE[self.compression]
             ),
         )
+
+    def _validate(self, c: Contribution, gathered: dict, delta: dict[str, torch.Tensor], own_norm: float) -> str | None:
+        """Why a round's result must not be applied (validation.py), or None; blames and bans peers."""
+        now = time.monotonic()
+        others = [p for p in gathered if p != self.peer_id]
+        history = self.history[c.fragment]
+        reference = history.reference(own_norm)
+        unadmitted = [] if self.round_key is None else [
+            p for p in untagged_members(self.round_key, self._group_key(c.fragment, round_group_bits(c.round, "delta")), gathered)
+            if p != self.peer_id
+        ]
+        banned = [p for p in others if self.reputation.is_banned(p, now)]
+        if unadmitted:
+            why = f"members without this swarm's key: {', '.join(unadmitted)}"
+            suspects = unadmitted
+        elif banned:
+            why, suspects = f"banned members: {', '.join(banned)}", banned
+        else:
+            why, norm = check_update(delta, c.delta, history)
+            if why is None:
+                history.accept(norm)
+                self.reputation.accepted(others, now)
+                return None
+            suspects = [p for p in others if member_report_bad(gathered[p], reference)]
+        for peer in self.reputation.blame(suspects, others, now):
+            logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, self.reputation.banned_until[peer] - now)
+            self.banned_events.append(peer)
+        return why
+
+    def _group_key(self, fragment: int, group_bits: str) -> str:
+        return f"{self.averagers[fragment].prefix}.0b{group_bits}"
 
     async def consensus(
         self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
@@ -317,6 +430,7 @@ class FragmentAveraging:
         expected = self.expected_group()
         sent = 0
         out = []
+        bound = consensus_bound(tensors_norm(global_.values()), self.history[fragment].reference(0.0))
         for phase, values in (("global", global_), ("momentum", momentum)):
             gathered, averaged = await self._allreduce(
                 fragment, round_group_bits(round_, phase), expected, values, weight=STALE_WEIGHT if stale else 1.0,
@@ -325,6 +439,15 @@ class FragmentAveraging:
             if gathered is None or {m.get("round") for m in gathered.values()} != {round_}:
                 return None
             sent += allreduce_wire_bytes(self.num_values[fragment], len(gathered), self.compression)
+            why = check_consensus(averaged, values, bound)
+            if why is None and self.round_key is not None:
+                unadmitted = [p for p in untagged_members(self.round_key, self._group_key(fragment, round_group_bits(round_, phase)), gathered) if p != self.peer_id]
+                why = f"members without this swarm's key: {', '.join(unadmitted)}" if unadmitted else None
+            if why is None and any(self.reputation.is_banned(p, time.monotonic()) for p in gathered):
+                why = "banned members"
+            if why is not None:
+                logger.warning("fragment %d consensus round %d (%s) rejected: %s", fragment, round_, phase, why)
+                return None
             out.append(averaged)
         return out[0], out[1], sent
 
@@ -334,8 +457,11 @@ class FragmentAveraging:
     ) -> tuple[dict | None, dict[str, torch.Tensor]]:
         """One bounded all-reduce of `values` on this fragment's averager: (gathered metadata or None, result)."""
         averager, names = self.averagers[fragment], self.names[fragment]
+        if self.round_key is not None:
+            gather = {**gather, "auth": admission_tag(self.round_key, self.peer_id, self._group_key(fragment, group_bits))}
         await asyncio.to_thread(self._load, averager, names, values)
-        await asyncio.to_thread(averager.set_round, group_bits, expected, compression)
+        banned = frozenset(self.reputation.banned(time.monotonic()))
+        await asyncio.to_thread(averager.set_round, group_bits, expected, compression, banned)
         wait_s = self.wait_s
         control = await asyncio.to_thread(
             averager.step, gather=gather, weight=max(weight, 1e-6), scheduled_time=get_dht_time() + wait_s,
@@ -352,6 +478,7 @@ class FragmentAveraging:
             return None, values
         if not gathered or not all(isinstance(m, dict) for m in gathered.values()):
             return None, values
+        gathered = {p.to_base58() if hasattr(p, "to_base58") else str(p): m for p, m in gathered.items()}
         return gathered, await asyncio.to_thread(self._read, averager, names)
 
     @staticmethod

@@ -96,6 +96,8 @@ class RoundResult:
     staleness: int = 0
     consensus: bool = False
     """The group's agreed values disagreed: run a consensus round after applying."""
+    reason: str | None = None
+    """Why a round was `rejected` (its result is then the island's own update)."""
 
 
 @dataclasses.dataclass

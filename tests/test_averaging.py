@@ -74,17 +74,17 @@ def test_different_rounds_never_average_and_fail_in_bounded_time(pair):
 
 def test_diverged_agreed_values_trigger_a_consensus_round(pair):
     a, b = pair()
-    ra, rb = _both(a, b, _contribution(2, 1.0, 1.0, global_value=0.0), _contribution(2, 1.0, 1.0, global_value=0.5))
+    ra, rb = _both(a, b, _contribution(2, 1.0, 1.0, global_value=1.0), _contribution(2, 1.0, 1.0, global_value=1.1))
     assert ra.consensus and rb.consensus
 
     async def heal():
-        ga = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
-        gb = {"w": torch.full((64, 32), 0.5), "b": torch.ones(32)}
+        ga = {"w": torch.ones(64, 32), "b": torch.ones(32)}
+        gb = {"w": torch.full((64, 32), 1.1), "b": torch.full((32,), 1.2)}
         m = {"w": torch.ones(64, 32), "b": torch.zeros(32)}
         return await asyncio.gather(a.consensus(0, 2, ga, m), b.consensus(0, 2, gb, m))
 
     (ga, ma, _), (gb, mb, sent) = asyncio.run(heal())
-    assert torch.allclose(ga["w"], torch.full((64, 32), 0.25)) and torch.allclose(gb["b"], torch.full((32,), 0.5))
+    assert torch.allclose(ga["w"], torch.full((64, 32), 1.05)) and torch.allclose(gb["b"], torch.full((32,), 1.1))
     assert torch.allclose(ma["w"], mb["w"]) and sent > 0
 
 
@@ -101,3 +101,26 @@ def test_int8_averages_the_whole_vector(pair):
     err = (ra.delta["w"] - mean).abs()
     assert err.max() < 0.05, err.max()
     assert ((ra.delta["w"] - ca.delta["w"]).abs() > 0.05).float().mean() > 0.9
+
+
+def test_a_consensus_round_that_would_drag_the_model_far_is_refused(pair):
+    a, b = pair()
+
+    async def heal():
+        ga = {"w": torch.ones(64, 32), "b": torch.ones(32)}
+        gb = {"w": torch.full((64, 32), 1e6), "b": torch.ones(32)}  # a peer's values from nowhere near ours
+        m = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
+        return await asyncio.gather(a.consensus(0, 3, ga, m), b.consensus(0, 3, gb, m))
+
+    ra, _ = asyncio.run(heal())
+    assert ra is None  # a keeps its own values and momentum
+
+
+def test_the_join_guard_is_served_as_a_stream():
+    """hivemind registers rpc_join_group as streaming only if its hint says so; a unary
+    registration breaks every round (seen: "async_generator can't be used in 'await'")."""
+    from islands.protocols.averaging import IslandAverager
+
+    IslandAverager._collect_rpc_handlers()
+    handler = next(h for h in IslandAverager._rpc_handlers if h.method_name == "rpc_join_group")
+    assert handler.stream_output and not handler.stream_input

@@ -1,0 +1,164 @@
+"""Checks on what comes back from a round, and who is to blame when it is bad. Pure.
+
+What a round returns is the token-weighted mean of the members' pseudo-gradients,
+`avg = Σ w_i Δ_i / Σ w_i`: a convex combination, so `‖avg‖ ≤ max_i ‖Δ_i‖`. Honest
+islands of one run train the same model with the same inner optimizer, learning
+rate schedule and window, so their pseudo-gradients have norms of the same order
+(measured: see bench/README.md, "update norms"). An average far above this
+island's own norm, or above the norms it accepted recently, cannot come from
+honest members: someone sent a huge update, claimed a huge weight, or — as
+reducer of one part of the vector in hivemind's butterfly all-reduce — returned
+garbage for that part. Each of these ends up in the result, which is what is
+checked: finite, the right shapes and dtype, and a norm within `NORM_RATIO` of
+the reference. A consensus round (the agreed values themselves averaged again)
+must land close to this island's own agreed values (`DRIFT_RATIO`).
+
+What is not caught: a member that stays within the bound. It can bias a round by
+at most NORM_RATIO times an honest update, and it is diluted by the honest weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+import torch
+
+NORM_RATIO = 4.0
+"""An averaged pseudo-gradient may be at most this many times the reference norm (max of this
+island's own and the median of recently accepted averages). Convexity gives 1 for equal honest
+norms; islands with other batch sizes and data differ, measured up to ~1.5x here: 4 leaves room."""
+HISTORY = 16
+DRIFT_RATIO = 0.1
+"""A consensus round may move this island's agreed values by at most this fraction of their norm.
+Replicas drift apart by a round's outer step at most (a split round), ~1e-3 of the norm here."""
+
+
+def tensors_norm(values: Iterable[torch.Tensor]) -> float:
+    total = 0.0
+    for t in values:
+        total += float(t.detach().double().pow(2).sum())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def problem(values: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> str | None:
+    """Why `values` cannot stand in for `like` (names, shapes, dtype, finiteness), or None."""
+    if set(values) != set(like):
+        return "tensor names differ"
+    for name, ref in like.items():
+        t = values[name]
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape:
+            return f"{name}: shape {tuple(getattr(t, 'shape', ()))} instead of {tuple(ref.shape)}"
+        if t.dtype != ref.dtype:
+            return f"{name}: dtype {t.dtype} instead of {ref.dtype}"
+        if not torch.isfinite(t).all():
+            return f"{name}: non-finite values"
+    return None
+
+
+@dataclasses.dataclass
+class NormHistory:
+    """The norms of the averaged pseudo-gradients one fragment accepted recently."""
+
+    norms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    def reference(self, own_norm: float) -> float:
+        if not self.norms:
+            return own_norm
+        return max(own_norm, statistics.median(self.norms))
+
+    def accept(self, norm: float) -> None:
+        self.norms.append(norm)
+
+
+def check_update(
+    averaged: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], history: NormHistory,
+    ratio: float = NORM_RATIO,
+) -> tuple[str | None, float]:
+    """(why the averaged pseudo-gradient is rejected or None, its norm)."""
+    why = problem(averaged, own)
+    if why is not None:
+        return why, math.nan
+    norm = tensors_norm(averaged.values())
+    bound = ratio * history.reference(tensors_norm(own.values()))
+    if norm > bound:
+        return f"norm {norm:.4g} above {bound:.4g} ({ratio:g}x the reference)", norm
+    return None, norm
+
+
+def consensus_bound(agreed_norm: float, update_reference: float) -> float:
+    """How far a consensus re-average may move this island's agreed values (or momentum):
+    `DRIFT_RATIO` of their norm, or `NORM_RATIO` typical accepted updates, whichever is more.
+
+    Honest islands drift apart by the updates they applied separately (a rejected round,
+    a partition), so the bound follows the update scale; a member that sends values from
+    nowhere near the swarm's moves the average much further."""
+    return max(DRIFT_RATIO * agreed_norm, NORM_RATIO * update_reference)
+
+
+def check_consensus(averaged: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], bound: float) -> str | None:
+    """Why re-averaged agreed values (or momentum) are rejected, or None: not like `own`, or
+    moved further than `bound` (consensus_bound)."""
+    why = problem(averaged, own)
+    if why is not None:
+        return why
+    drift = tensors_norm(averaged[n] - own[n] for n in own)
+    if drift > bound + 1e-12:
+        return f"moves the values by {drift:.4g}, above the bound {bound:.4g}"
+    return None
+
+
+def member_report_bad(meta: object, reference: float, ratio: float = NORM_RATIO) -> bool:
+    """Whether a member's own report of its contribution (`norm`, `weight` in its gathered metadata)
+    already shows it bad: missing, non-finite, or out of bounds."""
+    if not isinstance(meta, Mapping):
+        return True
+    try:
+        norm, weight = float(meta["norm"]), float(meta["weight"])
+    except (KeyError, TypeError, ValueError):
+        return True
+    return not (math.isfinite(norm) and math.isfinite(weight)) or norm > ratio * reference or weight < 0
+
+
+BAN_AFTER = 3
+"""Rejected rounds blamed on one peer (without an accepted round with it in between) before it is banned."""
+BAN_S = 600.0
+TRUST_S = 300.0
+"""A peer with which this island had an accepted round this recently is not blamed for a bad round
+whose bad member is unknown (a member that lies about its own contribution)."""
+
+
+@dataclasses.dataclass
+class Reputation:
+    """Which peers spoil rounds: strikes per peer, bans with an expiry, trust from good rounds."""
+
+    strikes: dict[str, int] = dataclasses.field(default_factory=dict)
+    banned_until: dict[str, float] = dataclasses.field(default_factory=dict)
+    good_at: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def accepted(self, peers: Iterable[str], now: float) -> None:
+        for p in peers:
+            self.strikes.pop(p, None)
+            self.good_at[p] = now
+
+    def blame(self, reported_bad: Iterable[str], others: Iterable[str], now: float) -> list[str]:
+        """A rejected round: strike the members whose reports show them bad, or, if none does, the
+        other members not trusted lately. Returns the peers banned by this call."""
+        suspects = list(reported_bad) or [p for p in others if now - self.good_at.get(p, -math.inf) > TRUST_S]
+        newly = []
+        for p in suspects:
+            self.strikes[p] = self.strikes.get(p, 0) + 1
+            if self.strikes[p] >= BAN_AFTER and not self.is_banned(p, now):
+                self.banned_until[p] = now + BAN_S
+                self.strikes[p] = 0
+                newly.append(p)
+        return newly
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        return self.banned_until.get(peer, -math.inf) > now
+
+    def banned(self, now: float) -> list[str]:
+        return sorted(p for p, t in self.banned_until.items() if t > now)
