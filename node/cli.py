@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .config import ConfigError, add_arguments, build_config
 
 PROG = "islands-node"
-SUBCOMMANDS = ("run", "check-config", "status", "swarm", "relay")
+SUBCOMMANDS = ("run", "check-config", "status", "swarm", "relay", "keygen")
 
 DESCRIPTION = """\
 Train one model across compute islands with Streaming DiLoCo.
@@ -28,6 +28,7 @@ subcommands:
   islands-node status --join MADDR   the swarm as a table (--json for machines)
   islands-node swarm --islands N     N local islands on loopback: the one-command demo
   islands-node check-config FILE     validate a TOML config without starting
+  islands-node keygen PATH           write a new swarm key (owner-only) for --swarm-key
   islands-node relay --to HOST:PORT  emulate a long link in front of a node (delay, rate, contact)
 """
 
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
     if command == "check-config":
         return _check_config(argv, environ)
+    if command == "keygen":
+        return _keygen(argv)
     if command == "status":
         from .status import main as status_main
 
@@ -97,6 +100,29 @@ def _check_config(argv: list[str], environ: dict) -> int:
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: ok ({cfg.train.model} model, window {cfg.diloco.window}, {cfg.diloco.fragments} fragments, overlap {cfg.diloco.tau})")
+    return 0
+
+
+def _keygen(argv: list[str]) -> int:
+    from islands.protocols.admission import write_swarm_key
+
+    parser = _Parser(
+        prog=f"{PROG} keygen",
+        description="Write a new random swarm key (256 bits, owner-only). Copy it to every island of the run "
+        "over a channel you trust, and start each with --swarm-key PATH.",
+    )
+    parser.add_argument("path", help="the file to create (never overwritten)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        write_swarm_key(args.path)
+    except FileExistsError:
+        return _fail(f"{args.path} exists; a key is never overwritten")
+    except OSError as e:
+        return _fail(f"cannot write {args.path}: {e.strerror}")
+    print(f"wrote a new swarm key to {args.path}")
     return 0
 
 

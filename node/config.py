@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from islands.models.data import DataConfig
 from islands.models.transformer import MODEL_SIZES, ModelConfig, model_config
+from islands.protocols.admission import SwarmKeyError, load_swarm_key
 from islands.protocols.contact import parse_contact
 from islands.protocols.diloco import DiLoCoConfig
 
@@ -88,8 +89,12 @@ class NetConfig:
         None, "a satellite's contact windows from its start: 'up 20s every 60s [after 10s]', '0-20,60-80' or 'always'",
         metavar="SPEC",
     )
-    swarm_key: str | None = _opt(None, "file with the shared secret that admits a peer to the swarm", metavar="PATH")
-    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port", metavar="N")
+    swarm_key: str | None = _opt(
+        None, "file with the shared secret that admits a peer to the swarm (every island of the run uses the same; "
+        "make one with: islands-node keygen PATH)", metavar="PATH",
+    )
+    metrics_port: int | None = _opt(None, "serve Prometheus metrics at http://METRICS_HOST:N/metrics (0: any free port, logged)", metavar="N")
+    metrics_host: str = _opt("127.0.0.1", "address the metrics endpoint listens on (0.0.0.0 for a remote Prometheus)", metavar="ADDR")
     wait_islands: int = _opt(1, "before step 1, wait until this many islands are in the swarm (see --wait-timeout-s)", metavar="N")
     wait_timeout_s: float = _opt(120.0, "give up waiting for --wait-islands after this long and train anyway", metavar="S")
     match_wait_s: float = _opt(5.0, "how long a round waits for the other islands before it runs with whoever came", metavar="S")
@@ -112,6 +117,11 @@ class NetConfig:
             parse_contact(self.contact)  # ValueError names the spec and the accepted forms
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.swarm_key is not None:
+            try:
+                load_swarm_key(self.swarm_key)
+            except SwarmKeyError as e:
+                raise ValueError(f"swarm_key: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,10 +175,6 @@ class Config:
             raise ValueError("a satellite needs --contact, e.g. 'up 20s every 60s'")
         if self.net.contact is not None and self.net.role != "satellite":
             raise ValueError("contact applies to satellites only: add --role satellite")
-        # in DESIGN.md's CLI, not built yet: refuse rather than run without what was asked for
-        for name, given in (("swarm_key", self.net.swarm_key is not None), ("metrics_port", self.net.metrics_port is not None)):
-            if given:
-                raise ValueError(f"{name} is not supported yet by this version of islands-node")
 
     def flat(self) -> dict[str, Any]:
         """Every option by its flat name, as the event log's `config` shows it."""

@@ -21,12 +21,14 @@ from islands.protocols.diloco import StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.manifest import build_manifest
 from islands.protocols.schedule import round_number
+from islands.protocols.validation import BAN_S
 
 from . import checkpoint as ckpt_io
 from .config import Config
 from .contact import ContactClock
 from .events import EventLog, rotate
 from .files import write_lines
+from .metrics import Metrics
 from .network import ManifestMismatch, Network, NetworkError
 from .progress import Progress
 from .sync import FragmentSync
@@ -155,11 +157,29 @@ class Island:
             totals.update(self.resume.totals)
             start_step = self.resume.step
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         log_path = cfg.output.event_log_path
         rotate(log_path)
         events = EventLog(log_path)
         progress = Progress(cfg.output.progress, f"{cfg.net.role} {network.peer_id[-8:]}", cfg.train.steps)
+        metrics = None
+        if cfg.net.metrics_port is not None:
+            try:
+                metrics = Metrics(cfg.net.metrics_host, cfg.net.metrics_port, {"run_id": cfg.net.run_id, "role": cfg.net.role, "peer_id": network.peer_id})
+            except OSError as e:
+                raise StartupError(f"metrics_port {cfg.net.metrics_port}: cannot listen on {cfg.net.metrics_host}: {e.strerror}") from None
+            progress.note(f"metrics at http://{cfg.net.metrics_host}:{metrics.port}/metrics")
+
+        def on_refused(what: str) -> None:
+            events.emit("refused", what=what)
+            if metrics is not None:
+                metrics.refused.inc()
+
+        def on_banned(peer: str) -> None:
+            events.emit("banned", peer=peer, seconds=BAN_S)
+            progress.note(f"banned peer {peer} for {BAN_S:.0f}s: its rounds were rejected repeatedly")
+
+        network.on_refused, network.on_banned = on_refused, on_banned
 
         if cfg.net.wait_islands > 1 and not start_step:
             seen = await network.wait_for_islands(
@@ -190,6 +210,7 @@ class Island:
         events.emit(
             "started", peer_id=network.peer_id, maddrs=network.maddrs(), run_id=cfg.net.run_id, role=cfg.net.role,
             config=cfg.flat(), manifest=self.manifest, resumed_step=start_step, shard=shard_index, version=VERSION,
+            metrics_port=None if metrics is None else metrics.port,
         )
         if start_step:
             progress.note(f"resumed from {ckpt_io.checkpoint_dir(self.run_dir)} at step {start_step}")
@@ -215,6 +236,8 @@ class Island:
                 "step": record["step"], "outcome": record["outcome"], "group_size": record["group_size"],
             }
             events.emit("sync", **record)
+            if metrics is not None:
+                metrics.on_sync(record)
             # tell the swarm at once: an island that fell behind reads this to skip the round
             refreshes.add(asyncio.ensure_future(network.refresh()))
             refreshes.difference_update({t for t in refreshes if t.done()})
@@ -287,6 +310,10 @@ class Island:
                 network.status.step, network.status.tokens_per_s = step, rate
                 network.status.step_seconds = stats.seconds
                 network.status.next_sync = sync.next_syncs(step)
+                network.report()
+                if metrics is not None:
+                    metrics.on_step(step, stats.loss, stats.tokens, rate)
+                    metrics.on_network(**network.counts())
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
             # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
@@ -305,6 +332,8 @@ class Island:
         finally:
             progress.close()
             torch_thread.shutdown(wait=False)
+            if metrics is not None:
+                metrics.close()
         events.emit("stopped", reason=reason, step=step)
         summary = events.emit(
             "summary",

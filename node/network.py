@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from islands.protocols.admission import RefusalLog, SwarmKeyError, key_file_exposed, load_swarm_key
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.dht import SwarmDHT, dht_now
 from islands.protocols.manifest import describe_differences, manifest_differences
@@ -22,6 +23,7 @@ from islands.protocols.records import (
     expected_group,
     live_records,
 )
+from islands.protocols.signing import IdentityError
 
 from .config import Config
 from .contact import ContactClock
@@ -67,6 +69,15 @@ class Network:
         self.peers: dict[str, IslandRecord] = {}
         self._task: asyncio.Task | None = None
         self._maddrs: list[str] = []
+        self.refusals = RefusalLog()
+        self.on_refused: Callable[[str], None] = lambda what: logger.warning("refused: %s", what)
+        """Hears of every refusal (a peer without the swarm key, a banned peer), in this process."""
+        self.on_banned: Callable[[str], None] = lambda peer: None
+
+    @property
+    def identity_path(self) -> Path:
+        """The node's key: --identity, or RUN_DIR/identity.key (its peer id then survives restarts)."""
+        return Path(self.cfg.net.identity or Path(self.cfg.output.run_dir) / "identity.key")
 
     @property
     def peer_id(self) -> str:
@@ -78,28 +89,38 @@ class Network:
 
     async def start(self) -> None:
         net = self.cfg.net
+        swarm_key = None
+        if net.swarm_key:
+            try:
+                swarm_key = load_swarm_key(net.swarm_key)
+            except SwarmKeyError as e:
+                raise NetworkError(str(e)) from None
+            if key_file_exposed(net.swarm_key):
+                logger.warning("swarm key file %s is readable by group or others: chmod 600 it", net.swarm_key)
         try:
             self.dht = await asyncio.to_thread(
                 SwarmDHT.start, net.run_id, initial_peers=net.join, host_maddrs=net.listen,
-                announce_maddrs=net.announce, identity_path=net.identity,
+                announce_maddrs=net.announce, identity_path=self.identity_path,
+                swarm_key=swarm_key, on_refused=self.refusals,
             )
+        except IdentityError as e:
+            raise NetworkError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - hivemind raises many kinds; all mean "cannot start"
             joined = f" via {', '.join(net.join)}" if net.join else ""
-            raise NetworkError(f"cannot start the DHT{joined}: {e}") from None
+            hint = ""
+            if net.join and "bootstrap failed" in str(e):
+                hint = (" (no peer accepted this node's --swarm-key: is it the swarm's?)" if swarm_key
+                        else " (if the swarm runs with --swarm-key, give this node the same)")
+            raise NetworkError(f"cannot start the DHT{joined}: {e}{hint}") from None
         self._maddrs = await asyncio.wait_for(asyncio.to_thread(self.dht.visible_maddrs), timeout=30)
         _ = self.dht.peer_id  # cached by hivemind after the first call
-        if net.identity:
-            try:
-                os.chmod(net.identity, 0o600)
-            except OSError:
-                pass
         await self._check_manifest()
         # in the main thread: hivemind's averagers set signal handlers as they start
         self.averaging = FragmentAveraging(
-            self.dht.dht, net.run_id, self.shapes, self.cfg.diloco.compression,
+            self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
             self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
             peer_progress=self.peer_progress, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
-            follower=self.contact is not None,
+            follower=self.contact is not None, swarm_key=swarm_key, on_refused=self.refusals,
         )
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
@@ -139,8 +160,26 @@ class Network:
         """The contact a satellite needs left to take part in a round (islands stop counting it then)."""
         return self.cfg.net.match_wait_s + 1.0
 
+    def report(self) -> None:
+        """Pass on the refusals and bans seen since the last call (from the DHT's and averagers' processes too)."""
+        for what in self.refusals.drain():
+            self.on_refused(what)
+        if self.averaging is not None:
+            banned, self.averaging.banned_events = self.averaging.banned_events, []
+            for peer in banned:
+                self.on_banned(peer)
+
+    def counts(self) -> dict[str, int]:
+        """Peers seen (live records, this island's included), peers banned, records dropped since start."""
+        banned = 0 if self.averaging is None else len(self.averaging.reputation.banned(time.monotonic()))
+        return {
+            "peers": len(self.live()), "banned": banned,
+            "forged": self.dht.forged_records if self.dht else 0, "malformed": self.dht.malformed_records if self.dht else 0,
+        }
+
     async def refresh(self) -> None:
         """Publish this island's record (and the manifest), then read everyone's."""
+        self.report()
         if self._out_of_contact() and self.status.state != "left":
             return  # a satellite out of contact reaches nobody
         if self.averaging is not None and self.status.state == "training" and self.contact is None:
@@ -173,7 +212,12 @@ class Network:
         return self.contact is not None and not self.contact.in_contact()
 
     def live(self) -> dict[str, IslandRecord]:
-        return live_records(self.peers, dht_now())
+        """Fresh records, without the peers this island banned (it does not wait for them)."""
+        live = live_records(self.peers, dht_now())
+        if self.averaging is not None:
+            now = time.monotonic()
+            live = {p: r for p, r in live.items() if not self.averaging.reputation.is_banned(p, now)}
+        return live
 
     def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
         """The live islands (satellites excluded) other than this node; by default only those training."""

@@ -56,6 +56,7 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--join", action="append", required=True, metavar="MADDR", help="any peer of the swarm (repeatable)")
     parser.add_argument("--run-id", default="islands", help="the run to show (default: islands)")
     parser.add_argument("--json", action="store_true", help="print the manifest and records as JSON")
+    parser.add_argument("--swarm-key", metavar="PATH", help="the swarm's key file, if it runs with one")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="give up after this long")
     try:
         args = parser.parse_args(argv)
@@ -65,11 +66,20 @@ def main(argv: list[str], prog: str) -> int:
 
 
 async def _show(args) -> int:
+    from islands.protocols.admission import SwarmKeyError, load_swarm_key
     from islands.protocols.dht import SwarmDHT, dht_now
 
     try:
+        key = load_swarm_key(args.swarm_key) if args.swarm_key else None
+    except SwarmKeyError as e:
+        print(f"islands-node status: error: {e}", file=sys.stderr)
+        return 2
+    try:
         swarm = await asyncio.wait_for(
-            asyncio.to_thread(SwarmDHT.start, args.run_id, initial_peers=args.join, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True),
+            asyncio.to_thread(
+                SwarmDHT.start, args.run_id, initial_peers=args.join, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                client_mode=True, swarm_key=key,
+            ),
             timeout=args.timeout_s,
         )
     except Exception as e:  # noqa: BLE001 - any failure to reach the swarm

@@ -17,7 +17,8 @@ NODE = [sys.executable, "-m", "islands.node"]
 
 
 class NodeProcess:
-    def __init__(self, args: list[str], run_dir: Path, env: dict | None = None, name: str = "node"):
+    def __init__(self, args: list[str], run_dir: Path, env: dict | None = None, name: str = "node", command: list[str] = NODE):
+        """`command`: what runs the node (tests.hostile for a poisoning peer); islands-node by default."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir / "events.jsonl"
@@ -27,7 +28,7 @@ class NodeProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ISLANDS_")}
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [*NODE, *self.args], stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL,
+            [*command, *self.args], stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL,
             env=full_env, start_new_session=True,
         )
         self.tail = EventTail(self.log_path)
