@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import (
     CompressionBase,
     CompressionInfo,
@@ -46,7 +47,9 @@ from .validation import (
     check_consensus,
     check_update,
     consensus_bound,
+    flatten,
     member_report_bad,
+    spoiled_spans,
     tensors_norm,
 )
 
@@ -158,6 +161,27 @@ class AveragingTimeouts:
     """The longest a round waits for the others after rounds that found nobody."""
 
 
+def reducer_spans(tensors: Sequence[torch.Tensor], peer_fractions: Sequence[float], kwargs: dict) -> dict[int, list[list[int]]]:
+    """Which elements of the flattened `tensors` each group member (by index) reduces in hivemind's
+    butterfly all-reduce: hivemind's own TensorPartContainer split, read back from its part views."""
+    allowed = ("compression", "part_size_bytes", "tensor_infos")
+    container = TensorPartContainer(
+        [t.detach() for t in tensors], peer_fractions, **{k: v for k, v in kwargs.items() if k in allowed}
+    )
+    # hivemind deals the parts out in order along the flattened vector, member by member
+    spans: dict[int, list[list[int]]] = {}
+    offset = 0
+    for index, parts in enumerate(container._input_parts_by_peer):
+        for part, _ in parts:
+            ranges = spans.setdefault(index, [])
+            if ranges and ranges[-1][1] == offset:
+                ranges[-1][1] = offset + part.numel()
+            else:
+                ranges.append([offset, offset + part.numel()])
+            offset += part.numel()
+    return spans
+
+
 class IslandAverager(DecentralizedAverager):
     """hivemind's averager, with the group key and target size settable per round.
 
@@ -200,6 +224,20 @@ class IslandAverager(DecentralizedAverager):
         if not tag_valid(self.round_key, peer, self._matchmaking.group_key_manager.current_key, tag):
             return f"round join from {peer} without this swarm's key"
         return None
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        self._spans = reducer_spans(tensors, kwargs["peer_fractions"], kwargs)
+        return await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        """hivemind's, plus each member's `span`: the elements it reduced, as [start, end) ranges of the
+        flattened tensors, so a round spoiled by a reducer can be blamed on it."""
+        self._spans = {}
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        for index, peer in enumerate(group_info.peer_ids):
+            if isinstance(gathered.get(peer), dict):
+                gathered[peer]["span"] = self._spans.get(index, [])
+        return gathered
 
     def get_current_state(self):
         if self.state_provider is None:
@@ -403,11 +441,24 @@ class FragmentAveraging:
             why, suspects = f"banned members: {', '.join(banned)}", banned
         else:
             why, norm = check_update(delta, c.delta, history)
+            names = self.names[c.fragment]
+            spans = {p: m.get("span", []) for p, m in gathered.items() if m.get("span")}
+            spoiled = spoiled_spans(flatten(delta[n] for n in names), flatten(c.delta[n] for n in names), spans, reference)
+            if spoiled:
+                part = f"the parts reduced by {', '.join(spoiled)} are out of bounds"
+                why = part if why is None else f"{why}; {part}"
             if why is None:
                 history.accept(norm)
                 self.reputation.accepted(others, now)
                 return None
-            suspects = [p for p in others if member_report_bad(gathered[p], reference)]
+            # a bad part that this island reduced itself, or every part bad: a bad contribution, blamed
+            # on members whose own reports show it (else on members not trusted lately); only some
+            # parts bad: their reducers
+            contribution = self.peer_id in spoiled or set(spoiled) >= set(spans)
+            suspects = (
+                [p for p in others if member_report_bad(gathered[p], reference)] if contribution or not spoiled
+                else [p for p in spoiled if p != self.peer_id]
+            )
         for peer in self.reputation.blame(suspects, others, now):
             logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, self.reputation.banned_until[peer] - now)
             self.banned_events.append(peer)

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -97,6 +97,45 @@ def consensus_bound(agreed_norm: float, update_reference: float) -> float:
     a partition), so the bound follows the update scale; a member that sends values from
     nowhere near the swarm's moves the average much further."""
     return max(DRIFT_RATIO * agreed_norm, NORM_RATIO * update_reference)
+
+
+def flatten(values: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Tensors as one float vector, in the order given (the averager's)."""
+    return torch.cat([v.detach().reshape(-1).float() for v in values])
+
+
+def spoiled_spans(
+    averaged: torch.Tensor, own: torch.Tensor, spans: Mapping[str, Sequence[Sequence[int]]], reference: float,
+    ratio: float = NORM_RATIO,
+) -> list[str]:
+    """The members whose reduced part of the averaged vector is non-finite or out of bounds.
+
+    In hivemind's butterfly all-reduce every member averages one part of the vector
+    (its `span`: [start, end) ranges) for the whole group, and the others take that
+    part as it comes back. A malicious reducer can return anything there. Honest
+    averaging never makes a part larger than its members' parts, so a part is out
+    of bounds if its norm exceeds `ratio` times this island's own part, or the
+    reference norm's share of it (sqrt of the fraction of elements), whichever is
+    larger. What a reducer can still do undetected is move its part within that
+    bound for one round (see DESIGN differences in the issue note)."""
+    total = max(own.numel(), 1)
+    bad = []
+    for peer, ranges in spans.items():
+        try:
+            index = [slice(int(a), int(b)) for a, b in ranges if 0 <= int(a) < int(b) <= own.numel()]
+        except (TypeError, ValueError):
+            continue
+        if not index:
+            continue
+        part = torch.cat([averaged[i] for i in index])
+        mine = torch.cat([own[i] for i in index])
+        if not torch.isfinite(part).all():
+            bad.append(peer)
+            continue
+        bound = ratio * max(float(mine.norm()), reference * math.sqrt(part.numel() / total))
+        if float(part.norm()) > bound + 1e-12:
+            bad.append(peer)
+    return bad
 
 
 def check_consensus(averaged: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], bound: float) -> str | None:

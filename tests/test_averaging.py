@@ -124,3 +124,45 @@ def test_the_join_guard_is_served_as_a_stream():
     IslandAverager._collect_rpc_handlers()
     handler = next(h for h in IslandAverager._rpc_handlers if h.method_name == "rpc_join_group")
     assert handler.stream_output and not handler.stream_input
+
+
+def test_a_reducer_that_spoils_its_part_is_found_and_banned(monkeypatch):
+    """Butterfly all-reduce: each member averages one part for all. A member that contributes an
+    honest update (and reports it honestly) but returns its part scaled is blamed, not the others."""
+    from hivemind.averaging.partition import TensorPartReducer
+
+    made = []
+    try:
+        dhts = [SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+        for _ in range(2):
+            dhts.append(SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].visible_maddrs()))
+        made.extend(dhts)
+        # small parts, so that every member reduces some
+        a, b = (FragmentAveraging(d.dht, "t", SHAPES, "none", lambda: 3, TIMEOUTS, part_size_bytes=1024) for d in dhts[:2])
+        made.extend((a, b))
+        honest = TensorPartReducer.accumulate_part
+
+        async def spoiled(self, *args, **kwargs):
+            return (await honest(self, *args, **kwargs)) * 50
+
+        # the hostile averager's process is forked with the patch; the honest ones already run without it
+        monkeypatch.setattr(TensorPartReducer, "accumulate_part", spoiled)
+        p = FragmentAveraging(dhts[2].dht, "t", SHAPES, "none", lambda: 3, TIMEOUTS, part_size_bytes=1024)
+        made.append(p)
+        monkeypatch.undo()
+
+        async def round_(r):
+            torch.manual_seed(r)
+            cs = [_contribution(r, 1.0, 1.0) for _ in range(3)]
+            for c in cs:
+                c.delta = {n: torch.randn_like(t) for n, t in c.delta.items()}
+            return await asyncio.gather(*(x.average(c) for x, c in zip((a, b, p), cs)))
+
+        for r in range(1, 4):
+            ra, rb, _ = asyncio.run(round_(r))
+            assert (ra.outcome, rb.outcome) == ("rejected", "rejected"), (ra.outcome, rb.outcome, ra.reason)
+            assert p.peer_id in ra.reason and a.peer_id not in ra.reason and b.peer_id not in ra.reason
+        assert a.banned_events == [p.peer_id] and b.banned_events == [p.peer_id]
+    finally:
+        for thing in reversed(made):
+            thing.shutdown()

@@ -1,0 +1,194 @@
+"""Admission, signing and update validation: the pure parts, without a network."""
+
+import asyncio
+import math
+import os
+
+import pytest
+import torch
+from hivemind.proto import dht_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from islands.node.cli import main as node_main
+from islands.protocols.admission import (
+    SwarmKeyAuthorizer,
+    SwarmKeyError,
+    admission_tag,
+    derive,
+    load_swarm_key,
+    namespace,
+    tag_valid,
+    untagged_members,
+    write_swarm_key,
+)
+from islands.protocols.signing import load_identity, owner_peer_id
+from islands.protocols.validation import (
+    NORM_RATIO,
+    NormHistory,
+    Reputation,
+    check_consensus,
+    check_update,
+    consensus_bound,
+    spoiled_spans,
+)
+
+SECRET = bytes(range(32))
+
+
+def test_keygen_writes_an_owner_only_key_and_never_overwrites(tmp_path):
+    path = tmp_path / "swarm.key"
+    assert node_main(["keygen", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o600 and len(load_swarm_key(path)) >= 32
+    before = path.read_bytes()
+    assert node_main(["keygen", str(path)]) == 2
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("content", [b"", b"short", b"   \n"])
+def test_a_weak_or_empty_key_is_refused(tmp_path, content):
+    path = tmp_path / "k"
+    path.write_bytes(content)
+    with pytest.raises(SwarmKeyError, match="k"):
+        load_swarm_key(path)
+    with pytest.raises(SwarmKeyError):
+        load_swarm_key(tmp_path / "missing")
+
+
+def test_keys_for_different_purposes_and_runs_differ(tmp_path):
+    write_swarm_key(tmp_path / "k")
+    other = load_swarm_key(tmp_path / "k")
+    assert derive(SECRET, "dht") != derive(SECRET, "rounds") != derive(other, "dht")
+    assert namespace("run", None) == "run"
+    assert namespace("run", SECRET) != namespace("run", other) and namespace("run", SECRET).startswith("run-")
+    assert "." not in namespace("run", SECRET)  # hivemind's averager prefixes may not contain dots
+
+
+def test_round_admission_tags_bind_peer_and_group():
+    key = derive(SECRET, "rounds")
+    tag = admission_tag(key, "QmA", "run:frag0.0b01")
+    assert tag_valid(key, "QmA", "run:frag0.0b01", tag)
+    assert not tag_valid(key, "QmB", "run:frag0.0b01", tag)  # another peer cannot reuse it
+    assert not tag_valid(key, "QmA", "run:frag1.0b01", tag)  # nor in another group
+    assert not tag_valid(derive(b"x" * 32, "rounds"), "QmA", "run:frag0.0b01", tag)
+    assert not tag_valid(key, "QmA", "run:frag0.0b01", None) and not tag_valid(key, "QmA", "run:frag0.0b01", 7)
+    gathered = {"QmA": {"auth": tag}, "QmB": {"auth": "00"}, "QmC": "garbage"}
+    assert untagged_members(key, "run:frag0.0b01", gathered) == ["QmB", "QmC"]
+
+
+def _roundtrip(client: SwarmKeyAuthorizer, server: SwarmKeyAuthorizer):
+    async def run():
+        request = dht_pb2.PingRequest(validate=True)
+        await client.sign_request(request, None)
+        accepted = await server.validate_request(request)
+        response = dht_pb2.PingResponse(available=True)
+        await server.sign_response(response, request)
+        return request, accepted, await client.validate_response(response, request)
+
+    return asyncio.run(run())
+
+
+def test_dht_requests_carry_a_mac_under_the_swarm_key_and_cannot_be_replayed():
+    refused = []
+    client = SwarmKeyAuthorizer(SECRET, "QmClient")
+    server = SwarmKeyAuthorizer(SECRET, "QmServer", refused.append)
+    request, accepted, response_ok = _roundtrip(client, server)
+    assert accepted and response_ok and not refused
+    assert not asyncio.run(server.validate_request(request))  # the same request again
+    assert "replayed" in refused[-1]
+
+    stranger = SwarmKeyAuthorizer(b"y" * 32, "QmStranger")
+    _, accepted, response_ok = _roundtrip(stranger, server)
+    assert not accepted and "QmStranger" in refused[-1] and "not signed" in refused[-1]
+    _, accepted, response_ok = _roundtrip(client, SwarmKeyAuthorizer(b"y" * 32))
+    assert not accepted and not response_ok
+
+
+def test_identity_is_owner_only_and_its_peer_id_is_libp2p_s(tmp_path):
+    from hivemind.p2p import PeerID
+
+    path = tmp_path / "run" / "identity.key"
+    key, peer_id = load_identity(path)
+    assert path.stat().st_mode & 0o077 == 0
+    assert peer_id == PeerID.from_identity(path.read_bytes()).to_base58()
+    assert load_identity(path)[1] == peer_id  # the same island on restart
+    marker = key.get_public_key().to_bytes()
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    subkey = RSASignatureValidator(key).local_public_key
+    assert owner_peer_id(subkey) == peer_id and marker in subkey
+    os.chmod(path, 0o644)
+    load_identity(path)
+    assert path.stat().st_mode & 0o077 == 0  # tightened if someone loosened it
+
+
+@given(st.one_of(st.binary(max_size=300), st.text(max_size=50), st.integers(), st.none()))
+def test_owner_of_any_subkey_is_a_peer_id_or_none(subkey):
+    assert owner_peer_id(subkey) is None or owner_peer_id(subkey).startswith("Qm")
+
+
+def _t(value, shape=(4, 4)):
+    return {"w": torch.full(shape, float(value))}
+
+
+def test_update_validation_rejects_non_finite_misshaped_and_huge_updates():
+    history = NormHistory()
+    own = _t(1.0)
+    assert check_update(_t(1.5), own, history)[0] is None
+    assert "non-finite" in check_update(_t(math.nan), own, history)[0]
+    assert "non-finite" in check_update(_t(math.inf), own, history)[0]
+    assert "shape" in check_update(_t(1.0, (2, 8)), own, history)[0]
+    assert "dtype" in check_update({"w": torch.ones(4, 4, dtype=torch.float16)}, own, history)[0]
+    assert "missing" in check_update({}, own, history)[0] or "names" in check_update({}, own, history)[0]
+    assert "norm" in check_update(_t(NORM_RATIO * 1.01), own, history)[0]
+
+
+def test_the_norm_bound_follows_the_accepted_history():
+    history = NormHistory()
+    for _ in range(8):
+        history.accept(10.0)
+    # an island whose own update is small this round still accepts a typical average
+    assert check_update(_t(10 * NORM_RATIO / 4 * 0.99), _t(0.01), history)[0] is None
+    assert check_update(_t(10 * NORM_RATIO / 4 * 1.01), _t(0.01), history)[0] is not None
+
+
+def test_consensus_may_move_values_by_a_few_updates_but_not_further():
+    own = _t(1.0)
+    bound = consensus_bound(agreed_norm=4.0, update_reference=0.5)
+    assert bound == max(0.4, NORM_RATIO * 0.5)
+    assert check_consensus(_t(1.2), own, bound) is None
+    assert "bound" in check_consensus(_t(3.0), own, bound)
+    assert "non-finite" in check_consensus(_t(math.nan), own, bound)
+
+
+def test_a_spoiled_part_is_blamed_on_its_reducer():
+    torch.manual_seed(0)
+    own = torch.randn(300)
+    averaged = own.clone() * 0.7
+    spans = {"QmA": [[0, 100]], "QmB": [[100, 200]], "QmC": [[200, 300]]}
+    assert spoiled_spans(averaged, own, spans, float(own.norm())) == []
+    averaged[100:200] *= 50
+    assert spoiled_spans(averaged, own, spans, float(own.norm())) == ["QmB"]
+    averaged[250] = math.nan
+    assert spoiled_spans(averaged, own, spans, float(own.norm())) == ["QmB", "QmC"]
+    # spans from nowhere are ignored, not a crash
+    assert spoiled_spans(averaged, own, {"QmD": [[-5, 10**9]], "QmE": "x", "QmF": [["a", 1]]}, 1.0) == []
+
+
+def test_repeat_offenders_are_banned_for_a_while_and_trusted_peers_are_not_blamed_blindly():
+    rep = Reputation()
+    assert rep.blame(["QmBad"], ["QmBad", "QmGood"], now=0) == []
+    assert rep.blame(["QmBad"], ["QmBad", "QmGood"], now=1) == []
+    assert rep.blame(["QmBad"], ["QmBad", "QmGood"], now=2) == ["QmBad"]
+    assert rep.is_banned("QmBad", 3) and not rep.is_banned("QmGood", 3)
+    assert not rep.is_banned("QmBad", 2 + 10_000)  # bans expire
+    rep.accepted(["QmGood"], now=5)
+    for t in range(6, 12):  # nobody reports bad: only peers not trusted lately are suspected
+        rep.blame([], ["QmGood"], now=t)
+    assert not rep.is_banned("QmGood", 12)
+    rep2 = Reputation()
+    rep2.blame(["QmX"], ["QmX"], now=0)
+    rep2.accepted(["QmX"], now=1)  # an accepted round clears the strikes
+    rep2.blame(["QmX"], ["QmX"], now=2)
+    rep2.blame(["QmX"], ["QmX"], now=3)
+    assert not rep2.is_banned("QmX", 4)
