@@ -156,7 +156,7 @@ def test_a_reducer_that_spoils_its_part_is_found_and_banned(monkeypatch):
             cs = [_contribution(r, 1.0, 1.0) for _ in range(3)]
             for c in cs:
                 c.delta = {n: torch.randn_like(t) for n, t in c.delta.items()}
-            return await asyncio.gather(*(x.average(c) for x, c in zip((a, b, p), cs)))
+            return await asyncio.gather(*(x.average(c) for x, c in zip((a, b, p), cs, strict=True)))
 
         for r in range(1, 4):
             ra, rb, _ = asyncio.run(round_(r))

@@ -5,7 +5,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from islands.node.cli import main
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

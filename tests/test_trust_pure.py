@@ -9,7 +9,6 @@ import torch
 from hivemind.proto import dht_pb2
 from hypothesis import given
 from hypothesis import strategies as st
-
 from islands.node.cli import main as node_main
 from islands.protocols.admission import (
     SwarmKeyAuthorizer,
