@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from islands.protocols.admission import RefusalLog, SwarmKeyError, key_file_exposed, load_swarm_key
+from islands.protocols.admission import SwarmKeyError, key_file_exposed, load_swarm_key
+from islands.protocols.authorizer import RefusalLog
 from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
 from islands.protocols.dht import SwarmDHT, dht_now
 from islands.protocols.manifest import describe_differences, manifest_differences

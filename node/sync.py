@@ -112,7 +112,7 @@ class FragmentSync:
                 "fragment": fragment, "step": step, "applied_step": step, "round": round_,
                 "outcome": "skipped_no_contact", "policy": "accumulate", "group_size": 0,
                 "weight": 0.0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
-                "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None, "reason": None,
+                "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None, "reason": None, "norm_ratio": None,
             }
         )
 
@@ -173,6 +173,7 @@ class FragmentSync:
                 "staleness": result.staleness,
                 "consensus": consensus,
                 "reason": result.reason,
+                "norm_ratio": result.norm_ratio,
             }
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import typing
 from collections.abc import Awaitable, Callable, Sequence
@@ -406,26 +407,32 @@ class FragmentAveraging:
             logger.warning("fragment %d: group mixed rounds %s; keeping own update", c.fragment, rounds)
             return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=seconds)
         wire = allreduce_wire_bytes(self.num_values[c.fragment], len(gathered), self.compression)
-        why = self._validate(c, gathered, delta, own_norm)
+        why, norm = self._validate(c, gathered, delta, own_norm)
+        norm_ratio = round(norm / own_norm, 4) if own_norm > 0 and math.isfinite(norm) else None
         if why is not None:
             logger.warning("fragment %d round %d rejected: %s; applying own update", c.fragment, c.round, why)
             return RoundResult(
                 outcome="rejected", delta=c.delta, group_size=len(gathered), weight=c.weight,
                 bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness, reason=why,
+                norm_ratio=norm_ratio,
             )
         return RoundResult(
             outcome="ok", delta=delta, group_size=len(gathered),
             weight=sum(float(m.get("weight", 0.0)) for m in gathered.values()),
-            bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness,
+            bytes_sent=wire, bytes_recv=wire, seconds=seconds, staleness=c.staleness, norm_ratio=norm_ratio,
             # a stale member's base differs by design: it takes the swarm's afterwards (FragmentSync._rebase)
             consensus=consensus_needed(
                 (m.get("fp", []) for m in gathered.values() if not m.get("stale")), TOLERANCE[self.compression]
             ),
         )
 
-    def _validate(self, c: Contribution, gathered: dict, delta: dict[str, torch.Tensor], own_norm: float) -> str | None:
-        """Why a round's result must not be applied (validation.py), or None; blames and bans peers."""
+    def _validate(
+        self, c: Contribution, gathered: dict, delta: dict[str, torch.Tensor], own_norm: float
+    ) -> tuple[str | None, float]:
+        """(why a round's result must not be applied (validation.py) or None, the result's norm);
+        blames and bans peers."""
         now = time.monotonic()
+        norm = math.nan
         others = [p for p in gathered if p != self.peer_id]
         history = self.history[c.fragment]
         reference = history.reference(own_norm)
@@ -450,7 +457,7 @@ class FragmentAveraging:
             if why is None:
                 history.accept(norm)
                 self.reputation.accepted(others, now)
-                return None
+                return None, norm
             # a bad part that this island reduced itself, or every part bad: a bad contribution, blamed
             # on members whose own reports show it (else on members not trusted lately); only some
             # parts bad: their reducers
@@ -462,7 +469,7 @@ class FragmentAveraging:
         for peer in self.reputation.blame(suspects, others, now):
             logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, self.reputation.banned_until[peer] - now)
             self.banned_events.append(peer)
-        return why
+        return why, norm
 
     def _group_key(self, fragment: int, group_bits: str) -> str:
         return f"{self.averagers[fragment].prefix}.0b{group_bits}"

@@ -23,7 +23,8 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from .admission import SwarmKeyAuthorizer, namespace
+from .admission import namespace
+from .authorizer import SwarmKeyAuthorizer
 from .records import RECORD_TTL_S, IslandRecord, parse_island_record
 from .signing import load_identity, owner_peer_id
 

@@ -98,6 +98,8 @@ class RoundResult:
     """The group's agreed values disagreed: run a consensus round after applying."""
     reason: str | None = None
     """Why a round was `rejected` (its result is then the island's own update)."""
+    norm_ratio: float | None = None
+    """Norm of the averaged update over the island's own (rounds that averaged)."""
 
 
 @dataclasses.dataclass

@@ -3,8 +3,10 @@
     python -m tests.hostile MODE [islands-node options]
 
 MODE `nan` sends NaN pseudo-gradients, `huge` random ones 1e3 times larger than
-any honest update, `mixed` alternates the two by round. Everything else (DHT,
-records, swarm key, averaging) is the real node's.
+any honest update, `mixed` alternates the two by round; `reducer` contributes
+honestly but returns the part of every round it reduces for the group (hivemind's
+butterfly all-reduce) 50 times too large. Everything else (DHT, records, swarm
+key, averaging) is the real node's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,20 @@ def poison(mode: str, round_: int, delta: dict[str, torch.Tensor]) -> dict[str, 
 
 def main() -> int:
     mode, argv = sys.argv[1], sys.argv[2:]
-    if mode not in ("nan", "huge", "mixed"):
+    if mode not in ("nan", "huge", "mixed", "reducer"):
         raise SystemExit(f"hostile: unknown mode {mode!r}")
+    if mode == "reducer":
+        from hivemind.averaging.partition import TensorPartReducer
+
+        reduce = TensorPartReducer.accumulate_part
+
+        async def spoiled(self, *args, **kwargs):
+            return (await reduce(self, *args, **kwargs)) * 50
+
+        TensorPartReducer.accumulate_part = spoiled  # before the averagers' processes fork
+        from islands.node.cli import main as node_main
+
+        return node_main(argv)
     from islands.protocols.diloco import StreamingDiLoCo
 
     honest = StreamingDiLoCo.contribution

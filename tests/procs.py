@@ -173,14 +173,15 @@ class Nodes:
         self.started: list[NodeProcess] = []
         self.relays: list[RelayProcess] = []
 
-    def start(self, name: str, args: list[str], relay: list[str] | None = None) -> NodeProcess:
-        """With `relay` (the relay's options), the node listens on a fresh port behind a relay and announces it."""
+    def start(self, name: str, args: list[str], relay: list[str] | None = None, command: list[str] = NODE) -> NodeProcess:
+        """With `relay` (the relay's options), the node listens on a fresh port behind a relay and announces it;
+        `command`: what runs it (tests.hostile for a hostile peer)."""
         if relay is not None:
             port = free_port()
             link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")])
             self.relays.append(link)
             args = [*args, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", link.maddr]
-        node = NodeProcess(args, self.root / name, name=name)
+        node = NodeProcess(args, self.root / name, name=name, command=command)
         node.t_start = time.time()
         self.started.append(node)
         return node

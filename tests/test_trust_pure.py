@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from islands.node.cli import main as node_main
 from islands.protocols.admission import (
-    SwarmKeyAuthorizer,
     SwarmKeyError,
     admission_tag,
     derive,
@@ -21,6 +20,7 @@ from islands.protocols.admission import (
     untagged_members,
     write_swarm_key,
 )
+from islands.protocols.authorizer import SwarmKeyAuthorizer
 from islands.protocols.signing import load_identity, owner_peer_id
 from islands.protocols.validation import (
     NORM_RATIO,
