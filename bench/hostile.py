@@ -28,6 +28,12 @@ from .common import table, write
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--batch-size", "8"]
 
 
+def _kind(reason: str) -> str:
+    """A rejection reason without its figures and tensor names."""
+    kinds = ("non-finite", "parts reduced", "norm", "shape", "dtype", "without this swarm's key", "banned")
+    return "+".join(k for k in kinds if k in reason) or reason[:40]
+
+
 def run(root: Path, hostile: str | None, steps: int) -> dict:
     key = root / "swarm.key"
     root.mkdir(parents=True, exist_ok=True)
@@ -52,7 +58,7 @@ def run(root: Path, hostile: str | None, steps: int) -> dict:
                 "outcomes": {o: sum(s["outcome"] == o for s in syncs) for o in sorted({s["outcome"] for s in syncs})},
                 "banned_at_sync": next((i for i, s in enumerate(syncs) if s["t"] > banned[0]["t"]), None) if banned else None,
                 "norm_ratios": [s["norm_ratio"] for s in syncs if s["outcome"] == "ok" and s.get("norm_ratio") is not None],
-                "reasons": sorted({s["reason"].split(":")[0][:60] for s in syncs if s.get("reason")}),
+                "reasons": sorted({_kind(s["reason"]) for s in syncs if s.get("reason")}),
             }
         return out
     finally:

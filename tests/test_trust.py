@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from islands.node.cli import main as node_main
 from islands.protocols.admission import load_swarm_key
 from islands.protocols.dht import SwarmDHT
+from islands.protocols.signing import load_identity
 from safetensors.torch import load_file
 
 from .procs import NODE
@@ -71,6 +73,8 @@ def test_a_keyed_swarm_refuses_strangers_and_bans_a_poisoner(nodes, tmp_path):
     x = nodes([*COMMON, "--swarm-key", str(wrong), "--steps", "40", "--join", join], tmp_path / "x", name="x")
     assert x.wait_exit(90) == 2
     assert "--swarm-key" in x.stderr().strip().splitlines()[-1], x.stderr()
+    assert not x.of("sync")
+    _, x_id = load_identity(tmp_path / "x" / "identity.key")
     a.wait_for(lambda e: e["event"] == "refused", 30, "a refused event")
 
     port = a.wait_for(lambda e: e["event"] == "started", 60, "started")["metrics_port"]
@@ -84,10 +88,18 @@ def test_a_keyed_swarm_refuses_strangers_and_bans_a_poisoner(nodes, tmp_path):
     assert status.returncode == 0, status.stderr
     shown = json.loads(status.stdout)
     assert shown["manifest"]["window"] == 20  # the majority's manifest, not the insider's
-    assert len(shown["islands"]) == 3  # the forged and the malformed records are not islands
+    assert len(shown["islands"]) == 3 and x_id not in shown["islands"]  # the forged and the malformed records are not islands
     assert all(isinstance(r["step"], int) for r in shown["islands"].values())
 
-    text = _metrics(port)
+    # the islands read the records every few seconds: the forged and the malformed ones get counted
+    deadline = time.monotonic() + 60
+    while True:
+        text = _metrics(port)
+        dropped = {w: _sample(text, f'islands_records_dropped{{why="{w}"}}') for w in ("forged", "malformed")}
+        if all(dropped.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(dropped.values()), dropped
     for name in ("islands_step", "islands_loss", "islands_tokens_total", "islands_syncs_total",
                  "islands_bytes_sent_total", "islands_round_seconds", "islands_peers_seen", "islands_refused_total"):
         _sample(text, name)
