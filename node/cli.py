@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None, environ: dict | None = None) -> int:
     except ConfigError as e:
         return _fail(str(e))
     _setup_logging(verbose)
-    return _run_node(cfg)
+    return _run_node(cfg, argv, environ)
 
 
 def _check_config(argv: list[str], environ: dict) -> int:
@@ -136,11 +136,31 @@ def _setup_logging(verbose: int) -> None:
     logging.getLogger("hivemind").setLevel(logging.CRITICAL if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
 
 
-def _run_node(cfg) -> int:
-    from .daemon import Island, Shutdown, StartupError
+def _run_node(cfg, argv: list[str], environ: dict) -> int:
+    from .daemon import Island, Shutdown, StartupError, follow
+    from .ranks import RankEnv, launch_workers, stop_workers
     from .supervise import start_watchdog
 
-    watchdog = start_watchdog()
+    try:
+        ranks = RankEnv.from_environ(environ)
+    except ValueError as e:
+        return _fail(str(e))
+    if ranks is not None and ranks.rank > 0:  # a follower rank of a multi-rank island: no network, no files
+        # rank 0 ends it (a stop message, or its death); a signal to the whole group (Ctrl-C, systemd
+        # stopping the unit) must not take it out from under rank 0's graceful leave
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return follow(cfg, ranks)
+    workers = []
+    watchdog = start_watchdog()  # first: the workers join the node's process group and go with it
+    if ranks is None and cfg.train.nproc > 1:
+        rank0, workers = launch_workers(argv, cfg.train.nproc, environ)
+        os.environ.update(rank0)  # torch.distributed's rendezvous reads MASTER_ADDR/PORT from here
+        ranks = RankEnv.from_environ(rank0)
+    elif ranks is not None:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+            if name in environ:
+                os.environ[name] = environ[name]
 
     async def serve() -> int:
         shutdown = Shutdown()
@@ -158,7 +178,7 @@ def _run_node(cfg) -> int:
                 loop.add_signal_handler(sig, on_signal, sig)
 
         install_handlers()
-        island = Island(cfg)
+        island = Island(cfg, ranks)
         return await island.run(shutdown, announce=lambda line: print(line, flush=True), ready=install_handlers)
 
     try:
@@ -166,6 +186,7 @@ def _run_node(cfg) -> int:
     except StartupError as e:
         return _fail(str(e))
     finally:
+        stop_workers(workers)
         watchdog.goodbye()
 
 

@@ -54,6 +54,15 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "clip the gradient norm to this (0 disables)")
     eval_every: int = _opt(0, "evaluate on held-out data every N steps (0: at the end only)")
     torch_threads: int = _opt(1, "torch intra-op CPU threads (0: torch's default); on CPU, one thread per island is fastest here unless the model is large")
+    nproc: int = _opt(
+        1, "ranks of this island: data-parallel processes (gloo on CPU, NCCL on GPU), each with --batch-size "
+        "sequences a step; rank 0 is the island's member of the swarm (under torchrun, its WORLD_SIZE rules)", metavar="N",
+    )
+    device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N; on cuda, bf16 autocast")
+    balance: bool = _opt(
+        False, "every window, set gradient accumulation (micro-batches of --batch-size per step, up to 16) so that "
+        "this island's step takes about as long as the other islands' median step; logged as `balance` events",
+    )
 
     def __post_init__(self):
         if self.model not in MODEL_SIZES:
@@ -61,6 +70,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("warmup_steps", "eval_every", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

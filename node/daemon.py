@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from islands.models.transformer import Transformer
 from islands.protocols.diloco import StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.manifest import build_manifest
-from islands.protocols.schedule import round_number
+from islands.protocols.schedule import balance_accumulation, round_number
 from islands.protocols.validation import BAN_S
 
 from . import checkpoint as ckpt_io
@@ -31,6 +32,7 @@ from .files import write_lines
 from .metrics import Metrics
 from .network import ManifestMismatch, Network, NetworkError
 from .progress import Progress
+from .ranks import RankEnv, RankFailure, RankGroup, pick_device
 from .sync import FragmentSync
 from .trainer import Trainer
 
@@ -73,6 +75,36 @@ def build_model(cfg: Config) -> tuple[Transformer, list[list[str]], dict]:
     return model, layout, manifest
 
 
+def follow(cfg: Config, env: RankEnv) -> int:
+    """Rank 1.. of a multi-rank island: train in step with rank 0, which does everything else
+    (ranks.py). Returns the exit status."""
+    torch.set_num_threads(cfg.train.torch_threads or torch.get_num_threads())
+    device = pick_device(cfg.train.device, env.local_rank)
+    model, layout, _ = build_model(cfg)
+    model.to(device)
+    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    ranks = RankGroup(env, device, layout)
+    try:
+        shard, data_seed = ranks.receive_header()
+        trainer = Trainer(
+            cfg.train, model, corpus.shard(shard), corpus, data_seed=data_seed, eval_batches=cfg.data.eval_batches,
+            device=device, rank=env.rank, world=env.world,
+        )
+        trainer.forward = ranks.wrap(model)
+        ranks.share_optimizer(trainer.optimizer)
+        trainer.mean = ranks.all_mean
+        params = dict(model.named_parameters())
+        while (order := ranks.next_step(params)) is not None:
+            step, trainer.accum = order
+            ranks.guard(trainer.step, step)
+        return 0
+    except RankFailure as e:
+        logger.error("rank %d: %s", env.rank, e)
+        return 1
+    finally:
+        ranks.close()
+
+
 def _new_totals() -> dict:
     return {
         "tokens": 0,
@@ -86,13 +118,20 @@ def _new_totals() -> dict:
 
 
 class Island:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, ranks: RankEnv | None = None):
+        """`ranks`: this node is rank 0 of an island of several data-parallel ranks (ranks.py)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.output.run_dir)
         # all torch work runs in one thread (see run); fix the thread count before any of it
         self.threads = cfg.train.torch_threads or torch.get_num_threads()
         torch.set_num_threads(self.threads)
+        try:
+            self.device = pick_device(cfg.train.device, ranks.local_rank if ranks else 0)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         self.model, self.layout, self.manifest = build_model(cfg)
+        self.model.to(self.device)
+        self.ranks = RankGroup(ranks, self.device, self.layout) if ranks is not None else None
         try:
             self.resume = ckpt_io.load(self.run_dir, self.manifest)
         except ckpt_io.CheckpointError as e:
@@ -134,6 +173,8 @@ class Island:
             return await self._train(shutdown, network)
         finally:
             await network.close()
+            if self.ranks is not None:
+                self.ranks.close()
 
     async def _train(self, shutdown: Shutdown, network: Network) -> int:
         cfg = self.cfg
@@ -195,7 +236,13 @@ class Island:
         network.status.shard = shard_index
         network.status.step = start_step
         network.status.state = "training"
-        trainer = Trainer(cfg.train, self.model, corpus.shard(shard_index), corpus, data_seed=cfg.diloco.seed * 7919 + shard_index, eval_batches=cfg.data.eval_batches)
+        world = self.ranks.world if self.ranks else 1
+        data_seed = cfg.diloco.seed * 7919 + shard_index
+        trainer = Trainer(
+            cfg.train, self.model, corpus.shard(shard_index), corpus, data_seed=data_seed, eval_batches=cfg.data.eval_batches,
+            device=self.device, world=world,
+        )
+        network.status.batch_tokens = cfg.train.batch_size * cfg.train.seq_len * world
         if self.resume is not None:
             r = self.resume
             try:
@@ -217,6 +264,27 @@ class Island:
         caught_up = await self._catch_up(network, diloco, in_torch_thread, start_step, events, progress)
         if caught_up is not None:
             start_step = caught_up
+        if self.ranks is not None:
+            ranks = self.ranks
+
+            def bring_ranks() -> None:  # every rank starts from this one's model and inner optimizer
+                ranks.header(shard_index, data_seed)
+                trainer.forward = ranks.wrap(self.model)
+                ranks.share_optimizer(trainer.optimizer)
+                trainer.mean = ranks.all_mean
+
+            try:
+                await in_torch_thread(bring_ranks)
+            except RankFailure as e:
+                raise StartupError(str(e)) from None
+            diloco.on_local_change = ranks.mark
+            progress.note(f"{ranks.world} ranks: data-parallel on {self.device} ({'nccl' if self.device.type == 'cuda' else 'gloo'})")
+
+        def inner_step(step: int):
+            if self.ranks is None:
+                return trainer.step(step)
+            self.ranks.before_step(step, params, trainer.accum)
+            return self.ranks.guard(trainer.step, step)  # DDP's gradient all-reduce runs inside
 
         def state_for_joiners(fragment: int) -> tuple[dict, list]:
             round_, tensors = diloco.fragment_state(fragment)
@@ -249,6 +317,7 @@ class Island:
         last_checkpoint = start_step
         recent_losses: deque[float] = deque(maxlen=10)
         recent_rate: deque[tuple[float, int]] = deque(maxlen=20)
+        recent_seconds: deque[float] = deque(maxlen=10)  # per micro-batch
         step = start_step
 
         def save() -> Path:
@@ -264,7 +333,7 @@ class Island:
                     step=step,
                     manifest=self.manifest,
                     global_state=diloco.global_state(),
-                    local_state=self.model.state_dict(),
+                    local_state={n: t.detach().cpu() for n, t in self.model.state_dict().items()},
                     outer_state=diloco.momentum_state(),
                     inner_opt_state=trainer.optimizer.state_dict(),
                     fragments=diloco.counters_state(),
@@ -274,6 +343,7 @@ class Island:
             )
 
         reason = "completed"
+        failed = False
         path = None
         try:
             while step < cfg.train.steps:
@@ -291,7 +361,12 @@ class Island:
                         step = self._align(step, network, events)
                         if step >= cfg.train.steps:
                             break
-                stats = await in_torch_thread(trainer.step, step + 1)
+                try:
+                    stats = await in_torch_thread(inner_step, step + 1)
+                except RankFailure as e:
+                    reason, failed = f"rank failed: {e}", True
+                    progress.note(f"stopping: {e}")
+                    break
                 step += 1
                 totals["tokens"] += stats.tokens
                 totals["compute_seconds"] += stats.seconds
@@ -299,6 +374,9 @@ class Island:
                 recent_rate.append((time.monotonic(), stats.tokens))
                 events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
                 await sync.after_step(step, stats.tokens)
+                recent_seconds.append(stats.seconds / trainer.accum)
+                if cfg.train.balance and step % cfg.diloco.window == 0:
+                    self._balance(trainer, step, statistics.median(recent_seconds), network.peer_step_seconds(), events, progress)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                     events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
                 if sync.quiet and step - last_checkpoint >= checkpoint_every:
@@ -316,9 +394,12 @@ class Island:
                     metrics.on_network(**network.counts())
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
+            if self.ranks is not None and not failed:
+                spread = await in_torch_thread(self.ranks.stop, params)
+                events.emit("ranks", step=step, world=self.ranks.world, device=str(self.device), param_spread=spread)
             # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
             await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
-            if step >= cfg.train.steps and not satellite and network.expected_group() > 1:
+            if step >= cfg.train.steps and not failed and not satellite and network.expected_group() > 1:
                 # the islands end together: one last agreement on every fragment
                 verdicts, agree_bytes = await sync.agree(round_number(step, cfg.diloco.window) + 1)
                 totals["bytes_sent"] += agree_bytes
@@ -354,7 +435,7 @@ class Island:
             f"{reason} at step {step}: loss {_fmt(summary['final_loss'])}, eval_loss {_fmt(eval_loss)}, "
             f"{totals['tokens']} tokens, syncs ok/solo/failed {totals['syncs_ok']}/{totals['syncs_solo']}/{totals['syncs_failed']}; checkpoint {path}"
         )
-        return 0
+        return 1 if failed else 0
 
     async def _catch_up(self, network: Network, diloco: StreamingDiLoCo, in_torch_thread, step: int, events: EventLog, progress: Progress) -> int | None:
         """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
@@ -405,6 +486,16 @@ class Island:
         events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
         progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
         return new_step
+
+    def _balance(self, trainer: Trainer, step: int, micro_s: float, peers: list[float], events: EventLog, progress: Progress) -> None:
+        """--balance: as many micro-batches a step as make it take about the other islands' median step."""
+        accum = balance_accumulation(micro_s, peers, trainer.accum)
+        if accum == trainer.accum:
+            return
+        swarm_s = round(statistics.median(peers), 6)
+        events.emit("balance", step=step, accum_from=trainer.accum, accum=accum, micro_seconds=round(micro_s, 6), swarm_step_seconds=swarm_s)
+        progress.note(f"balance: {trainer.accum} -> {accum} micro-batches a step ({micro_s:.3f}s each; the others' median step {swarm_s:.3f}s)")
+        trainer.accum = accum
 
     def _align(self, step: int, network: Network, events: EventLog) -> int:
         """A satellite in contact moves its step counter to the islands' (it trains at its own

@@ -248,6 +248,10 @@ class Network:
             best = guess if best is None else max(best, guess)
         return best
 
+    def peer_step_seconds(self) -> list[float]:
+        """The other live, training islands' step times (compute only) from their records."""
+        return [r.step_seconds for r in self._other_islands().values() if r.step_seconds > 0]
+
     def live_islands(self) -> int:
         """Islands (satellites excluded) that would take part in a round now, this one included."""
         return 1 + len(self._other_islands(training=False))

@@ -7,7 +7,7 @@ No clocks, no sockets: the node decides when to call `contribution` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -127,6 +127,8 @@ class StreamingDiLoCo:
         ]
         self.momentum = [{n: torch.zeros_like(t) for n, t in g.items()} for g in self.globals]
         self.counters = [FragmentCounters() for _ in self.layout]
+        self.on_local_change: Callable[[int], None] = lambda fragment: None
+        """Called with a fragment whose local values were just changed outside an inner step."""
 
     def offset(self, fragment: int) -> int:
         return fragment_offset(fragment, self.cfg.window, self.cfg.fragments)
@@ -174,6 +176,7 @@ class StreamingDiLoCo:
         with torch.no_grad():
             for n in self.layout[fragment]:
                 params[n].copy_(mix(params[n], g[n], self.cfg.alpha))
+        self.on_local_change(fragment)
 
     def replace(
         self, fragment: int, global_: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor], round_: int | None = None

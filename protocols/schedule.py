@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 
 def default_overlap(window: int, num_fragments: int, preferred: int = 5) -> int:
@@ -56,3 +57,18 @@ def next_sync_step(step: int, fragment: int, window: int, num_fragments: int) ->
     offset = fragment_offset(fragment, window, num_fragments)
     r = max(1, (step - offset) // window + 1)
     return r * window + offset
+
+
+def balance_accumulation(micro_seconds: float, peer_step_seconds: Sequence[float], current: int, max_accum: int = 16) -> int:
+    """Gradient accumulation (micro-batches per inner step) that makes this island's step take about as
+    long as the median of the other islands' steps, never longer: islands meet at every round, so a
+    faster island would otherwise wait; with more micro-batches it trains on more tokens instead.
+
+    `micro_seconds`: this island's time for one micro-batch; `peer_step_seconds`: the other islands'
+    step times (their own accumulation included). Without either, `current` stays."""
+    peers = sorted(s for s in peer_step_seconds if s > 0)
+    if micro_seconds <= 0 or not peers:
+        return current
+    mid = len(peers) // 2
+    target = peers[mid] if len(peers) % 2 else (peers[mid - 1] + peers[mid]) / 2
+    return max(1, min(max_accum, int(target / micro_seconds + 1e-9)))

@@ -250,3 +250,13 @@ def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
     tol = TOLERANCE["none"]
     assert not consensus_needed([fingerprint([g]), fingerprint([noisy])], tol)
     assert consensus_needed([fingerprint([g]), fingerprint([stale])], tol)
+
+
+def test_balance_fills_a_fast_islands_wait_with_micro_batches_never_past_the_median():
+    from islands.protocols.schedule import balance_accumulation
+
+    assert balance_accumulation(0.1, [0.35], current=1) == 3  # 3 x 0.1 s <= 0.35 s
+    assert balance_accumulation(0.4, [0.1, 0.2], current=2) == 1  # slower than the others: no accumulation
+    assert balance_accumulation(0.1, [0.2, 0.3, 9.0], current=1) == 3  # the median, not the straggler
+    assert balance_accumulation(0.01, [10.0], current=1) == 16  # capped
+    assert balance_accumulation(0.1, [], current=4) == 4 and balance_accumulation(0.0, [1.0], current=2) == 2
