@@ -84,3 +84,19 @@ def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_pa
     assert not _group(a.proc.pid)
     assert b.wait_exit(200) == 0, b.stderr()
     assert b.of("summary")[0]["steps"] == 100
+
+
+def test_balance_gives_a_fast_island_more_micro_batches(nodes, tmp_path):
+    """A (batch 4, --balance) next to B (batch 32): A's steps are much shorter, so it accumulates."""
+    common = [*SCHEDULE, "--steps", "80", "--wait-islands", "2", "--run-id", "balance"]
+    maddr = tmp_path / "a.maddr"
+    a = nodes([*common, "--batch-size", "4", "--balance", "--maddr-file", str(maddr)], tmp_path / "a", name="a")
+    b = nodes([*common, "--batch-size", "32", "--join", a.wait_file(maddr, 90)], tmp_path / "b", name="b")
+    for node in (a, b):
+        assert node.wait_exit(240) == 0, node.stderr()
+    balance = a.of("balance")
+    assert balance and balance[0]["accum_from"] == 1 and balance[0]["accum"] >= 2, balance
+    assert balance[0]["step"] % 20 == 0 and balance[0]["swarm_step_seconds"] > balance[0]["micro_seconds"]
+    after = [e for e in a.of("step") if e["step"] > balance[0]["step"]]
+    assert after and after[0]["tokens"] == balance[0]["accum"] * 4 * 128  # the island's contribution weighs them
+    assert not b.of("balance")
