@@ -59,6 +59,10 @@ def next_sync_step(step: int, fragment: int, window: int, num_fragments: int) ->
     return r * window + offset
 
 
+BALANCE_SLACK = 0.2
+"""--balance lowers the accumulation only once a step takes this much longer than the target."""
+
+
 def balance_accumulation(micro_seconds: float, peer_step_seconds: Sequence[float], current: int, max_accum: int = 16) -> int:
     """Gradient accumulation (micro-batches per inner step) that makes this island's step take about as
     long as the median of the other islands' steps, never longer: islands meet at every round, so a
@@ -71,4 +75,7 @@ def balance_accumulation(micro_seconds: float, peer_step_seconds: Sequence[float
         return current
     mid = len(peers) // 2
     target = peers[mid] if len(peers) % 2 else (peers[mid - 1] + peers[mid]) / 2
-    return max(1, min(max_accum, int(target / micro_seconds + 1e-9)))
+    new = max(1, min(max_accum, int(target / micro_seconds + 1e-9)))
+    if new < current and current * micro_seconds <= (1 + BALANCE_SLACK) * target:
+        return current  # a little over the target is noise (CPU contention), not a reason to flip back
+    return new

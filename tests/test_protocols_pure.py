@@ -260,3 +260,5 @@ def test_balance_fills_a_fast_islands_wait_with_micro_batches_never_past_the_med
     assert balance_accumulation(0.1, [0.2, 0.3, 9.0], current=1) == 3  # the median, not the straggler
     assert balance_accumulation(0.01, [10.0], current=1) == 16  # capped
     assert balance_accumulation(0.1, [], current=4) == 4 and balance_accumulation(0.0, [1.0], current=2) == 2
+    assert balance_accumulation(0.11, [0.2], current=2) == 2  # 10% over: kept, no flip-flop
+    assert balance_accumulation(0.15, [0.2], current=2) == 1  # 50% over: lowered
