@@ -13,6 +13,7 @@ the island's own update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -207,8 +208,10 @@ class IslandAverager(DecentralizedAverager):
             self.on_refused(why)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
-        async for message in super().rpc_join_group(request, context):
-            yield message
+        # closed with this one, at once: hivemind's own generator releases the leader's state in its finally
+        async with contextlib.aclosing(super().rpc_join_group(request, context)) as stream:
+            async for message in stream:
+                yield message
 
     def _refuse_join(self, request: averaging_pb2.JoinRequest, context) -> str | None:
         """Why a join request is refused here (a banned peer, or no valid admission tag), or None."""
