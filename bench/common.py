@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,18 @@ def machine() -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
     }
+
+
+def parse(doc: str, run_dir: str, extra=lambda p: None) -> tuple[argparse.Namespace, Path]:
+    """The options of a process benchmark (--out, --run-dir, and `extra(parser)`'s), and its run dir, emptied."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the figures here (JSON)")
+    p.add_argument("--run-dir", default=run_dir, help=f"where the nodes run (default {run_dir}; emptied first)")
+    extra(p)
+    args = p.parse_args()
+    root = Path(args.run_dir)
+    shutil.rmtree(root, ignore_errors=True)
+    return args, root
 
 
 def write(out: str | None, figures: dict) -> None:

@@ -11,9 +11,7 @@ Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/pro
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import signal
 import statistics
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 
 from tests.procs import Nodes
 
-from .common import table, write
+from .common import parse, table, write
 
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--match-wait-s", "3"]
 
@@ -100,12 +98,7 @@ def satellite(root: Path, with_satellite: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out")
-    p.add_argument("--run-dir", default="bench-runs/elastic")
-    args = p.parse_args()
-    root = Path(args.run_dir)
-    shutil.rmtree(root, ignore_errors=True)
+    args, root = parse(__doc__, "bench-runs/elastic")
     figures = {
         "crash": crash(root / "crash"),
         "without_satellite": satellite(root / "plain", False),

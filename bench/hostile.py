@@ -12,8 +12,6 @@ of |averaged update| / |own update| in the honest run (the evidence for NORM_RAT
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +21,7 @@ from islands.protocols.validation import NORM_RATIO
 
 from tests.procs import Nodes
 
-from .common import table, write
+from .common import parse, table, write
 
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--batch-size", "8"]
 
@@ -66,13 +64,7 @@ def run(root: Path, hostile: str | None, steps: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--run-dir", default="bench-runs/hostile")
-    args = p.parse_args()
-    root = Path(args.run_dir)
-    shutil.rmtree(root, ignore_errors=True)
+    args, root = parse(__doc__, "bench-runs/hostile", lambda p: p.add_argument("--steps", type=int, default=200))
     runs = [run(root / (h or "honest"), h, args.steps) for h in (None, "mixed", "reducer")]
     base = statistics.mean(r[n]["eval_loss"] for r in runs[:1] for n in "ab")
     rows = []

@@ -11,8 +11,6 @@ Real `islands-node` processes on 127.0.0.1 (tests/procs.py):
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.procs import Nodes
 
-from .common import table, write
+from .common import parse, table, write
 
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0"]
 
@@ -72,12 +70,7 @@ def mixed(root: Path, a_batch: int, b_batch: int, balance: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out")
-    p.add_argument("--run-dir", default="bench-runs/ranks")
-    args = p.parse_args()
-    root = Path(args.run_dir)
-    shutil.rmtree(root, ignore_errors=True)
+    args, root = parse(__doc__, "bench-runs/ranks")
     solo = [alone(root / f"alone{n}", n) for n in (1, 2)]
     print(table(
         [[str(r["nproc"]), f"{r['step_seconds'] * 1000:.1f} ms", str(r["tokens_per_step"]), f"{r['tokens_per_s'] / 1000:.1f}k"] for r in solo],
