@@ -83,7 +83,11 @@ def follow(cfg: Config, env: RankEnv) -> int:
     model, layout, _ = build_model(cfg)
     model.to(device)
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
-    ranks = RankGroup(env, device, layout)
+    try:
+        ranks = RankGroup(env, device, layout)
+    except (RuntimeError, ValueError) as e:
+        logger.error("rank %d: could not meet rank 0: %s", env.rank, e)
+        return 1
     try:
         shard, data_seed = ranks.receive_header()
         trainer = Trainer(
@@ -131,7 +135,12 @@ class Island:
             raise StartupError(str(e)) from None
         self.model, self.layout, self.manifest = build_model(cfg)
         self.model.to(self.device)
-        self.ranks = RankGroup(ranks, self.device, self.layout) if ranks is not None else None
+        self.ranks = None
+        if ranks is not None:
+            try:
+                self.ranks = RankGroup(ranks, self.device, self.layout)
+            except (RuntimeError, ValueError) as e:  # the ranks did not meet (torch's store errors are RuntimeErrors)
+                raise StartupError(f"the island's {ranks.world} ranks could not meet: {e}") from None
         try:
             self.resume = ckpt_io.load(self.run_dir, self.manifest)
         except ckpt_io.CheckpointError as e:
