@@ -32,7 +32,7 @@ from .files import write_lines
 from .metrics import Metrics
 from .network import ManifestMismatch, Network, NetworkError
 from .progress import Progress
-from .ranks import RankEnv, RankFailure, RankGroup, pick_device
+from .ranks import TIMEOUT_S, RankEnv, RankFailure, RankGroup, pick_device
 from .sync import FragmentSync
 from .trainer import Trainer
 
@@ -75,6 +75,12 @@ def build_model(cfg: Config) -> tuple[Transformer, list[list[str]], dict]:
     return model, layout, manifest
 
 
+def rank_timeout_s(cfg: Config) -> float:
+    """How long a collective may wait: the followers wait at the first one while rank 0 waits for
+    islands (--wait-timeout-s) and downloads the swarm's state."""
+    return max(TIMEOUT_S, cfg.net.wait_timeout_s + cfg.diloco.fragments * JOIN_TIMEOUT_S + 60.0)
+
+
 def follow(cfg: Config, env: RankEnv) -> int:
     """Rank 1.. of a multi-rank island: train in step with rank 0, which does everything else
     (ranks.py). Returns the exit status."""
@@ -84,7 +90,7 @@ def follow(cfg: Config, env: RankEnv) -> int:
     model.to(device)
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
     try:
-        ranks = RankGroup(env, device, layout)
+        ranks = RankGroup(env, device, layout, rank_timeout_s(cfg))
     except (RuntimeError, ValueError) as e:
         logger.error("rank %d: could not meet rank 0: %s", env.rank, e)
         return 1
@@ -138,7 +144,7 @@ class Island:
         self.ranks = None
         if ranks is not None:
             try:
-                self.ranks = RankGroup(ranks, self.device, self.layout)
+                self.ranks = RankGroup(ranks, self.device, self.layout, rank_timeout_s(cfg))
             except (RuntimeError, ValueError) as e:  # the ranks did not meet (torch's store errors are RuntimeErrors)
                 raise StartupError(f"the island's {ranks.world} ranks could not meet: {e}") from None
         try:
@@ -386,6 +392,7 @@ class Island:
                 recent_seconds.append(stats.seconds / trainer.accum)
                 if cfg.train.balance and step % cfg.diloco.window == 0:
                     self._balance(trainer, step, statistics.median(recent_seconds), network.peer_step_seconds(), events, progress)
+                    network.status.batch_tokens = cfg.train.batch_size * cfg.train.seq_len * world * trainer.accum
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                     events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
                 if sync.quiet and step - last_checkpoint >= checkpoint_every:

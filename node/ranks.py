@@ -40,8 +40,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 300.0
-"""A collective that does not complete in this long (a frozen rank) fails; rank 0 may take a while
-before the first step (joining, downloading the swarm's state)."""
+"""A collective that does not complete in this long (a frozen rank) fails, at the least (the daemon
+allows for rank 0's wait for islands and its download before the first step)."""
 
 
 class RankFailure(RuntimeError):
