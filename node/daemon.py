@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from islands.models.data import load_corpus
 from islands.models.transformer import Transformer
-from islands.protocols.diloco import StreamingDiLoCo
+from islands.protocols.diloco import OUTCOMES, StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.manifest import build_manifest
 from islands.protocols.schedule import balance_accumulation, round_number
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 ROUND_TIMEOUT_S = 150.0  # above the longest match wait (x2) plus the all-reduce timeout
 JOIN_TIMEOUT_S = 30.0
-OUTCOMES = ("ok", "solo", "failed", "skipped_no_contact", "rejected")
 
 
 class StartupError(Exception):
@@ -100,9 +99,7 @@ def follow(cfg: Config, env: RankEnv) -> int:
             cfg.train, model, corpus.shard(shard), corpus, data_seed=data_seed, eval_batches=cfg.data.eval_batches,
             device=device, rank=env.rank, world=env.world,
         )
-        trainer.forward = ranks.wrap(model)
-        ranks.share_optimizer(trainer.optimizer)
-        trainer.mean = ranks.all_mean
+        ranks.attach(trainer)
         params = dict(model.named_parameters())
         while (order := ranks.next_step(params)) is not None:
             step, trainer.accum = order
@@ -284,9 +281,7 @@ class Island:
 
             def bring_ranks() -> None:  # every rank starts from this one's model and inner optimizer
                 ranks.header(shard_index, data_seed)
-                trainer.forward = ranks.wrap(self.model)
-                ranks.share_optimizer(trainer.optimizer)
-                trainer.mean = ranks.all_mean
+                ranks.attach(trainer)
 
             try:
                 await in_torch_thread(bring_ranks)

@@ -6,9 +6,8 @@ in prometheus_client's thread and reads the last values.
 
 from __future__ import annotations
 
+from islands.protocols.diloco import OUTCOMES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-OUTCOMES = ("ok", "solo", "failed", "skipped_no_contact", "rejected")
 
 
 class Metrics:

@@ -24,6 +24,7 @@ RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -90,6 +91,20 @@ def mask_fragments(mask: int, count: int) -> list[int]:
     return [f for f in range(count) if mask >> f & 1]
 
 
+@contextlib.contextmanager
+def _collective(transport_only: bool = False):
+    """A collective that fails (a rank gone or frozen) raises RankFailure. torch reports it as a
+    RuntimeError (DistBackendError is one); with `transport_only`, only one that names the backend
+    or the connection, so that other errors of the code around it pass unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        if transport_only and not isinstance(e, dist.DistBackendError) and not any(w in text for w in ("gloo", "nccl", "connection")):
+            raise
+        raise RankFailure(f"a rank of this island is gone: {e}") from None
+
+
 class RankGroup:
     """This island's ranks: rank 0 drives (start, before_step, stop); the others follow (serve)."""
 
@@ -112,10 +127,8 @@ class RankGroup:
         return self.env.world
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        try:
+        with _collective():
             dist.broadcast(tensor, src=0)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
         return tensor
 
     def _ints(self, values: Sequence[int]) -> list[int]:
@@ -127,43 +140,39 @@ class RankGroup:
         no token of a batch reached have no gradient: find_unused_parameters."""
         from torch.nn.parallel import DistributedDataParallel
 
-        try:
+        with _collective():
             return DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=True,
             )
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes rank 0's inner optimizer state (a resume)."""
         box = [optimizer.state_dict() if self.rank == 0 else None]
-        try:
+        with _collective():
             dist.broadcast_object_list(box, src=0, device=self._ctl_device)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
         if self.rank:
             optimizer.load_state_dict(box[0])
 
     def all_mean(self, values: Sequence[float]) -> list[float]:
         """The ranks' mean of a few numbers (the step's loss)."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self._ctl_device)
-        try:
+        with _collective():
             dist.all_reduce(t)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
         return [float(x) / self.world for x in t.tolist()]
 
+    def attach(self, trainer) -> None:
+        """Make `trainer` (node/trainer.py) one of the ranks: DDP around its model, rank 0's inner
+        optimizer state, and the step's loss averaged over the ranks."""
+        trainer.forward = self.wrap(trainer.model)
+        self.share_optimizer(trainer.optimizer)
+        trainer.mean = self.all_mean
+
     def guard(self, fn, *args):
-        """Run an inner step (with DDP's collectives in it): a collective's failure is a RankFailure."""
-        try:
+        """Run an inner step (DDP's gradient all-reduce is inside it): a failed collective there is a
+        RankFailure; any other error is the step's own."""
+        with _collective(transport_only=True):
             return fn(*args)
-        except dist.DistBackendError as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
-        except RuntimeError as e:
-            if "gloo" in str(e).lower() or "nccl" in str(e).lower() or "connection" in str(e).lower():
-                raise RankFailure(f"a rank of this island is gone: {e}") from None
-            raise
 
     # --- rank 0 ----------------------------------------------------------
 
@@ -195,10 +204,8 @@ class RankGroup:
         with torch.no_grad():
             total = sum(float(p.detach().double().sum()) for p in params.values())
         t = torch.tensor([total, -total], dtype=torch.float64, device=self._ctl_device)
-        try:
+        with _collective():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise RankFailure(f"a rank of this island is gone: {e}") from None
         return float(t[0] + t[1])
 
     def _send_fragments(self, fragments: Sequence[int], params: Mapping[str, torch.Tensor]) -> None:
@@ -231,6 +238,7 @@ class RankGroup:
 
 
 def free_port() -> int:
+    """A port free on 127.0.0.1 now (a rendezvous port; a node behind a relay in the tests)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import secrets
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 MIN_KEY_BYTES = 16
 """A swarm key shorter than this (after stripping whitespace) is refused: 128 bits at least."""
@@ -41,7 +38,7 @@ TAG_BYTES = 16
 
 
 class SwarmKeyError(ValueError):
-    """The swarm key file is missing, unreadable, too short or readable by others."""
+    """The swarm key file is missing, unreadable or too short."""
 
 
 def load_swarm_key(path: str | os.PathLike) -> bytes:

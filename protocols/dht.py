@@ -106,7 +106,7 @@ class SwarmDHT:
 
     async def get_manifest(self) -> dict | None:
         """The manifest most islands signed (copies that differ from it are counted as forged)."""
-        copies = [v for v in (await self._signed(self.manifest_key)).values()]
+        copies = list((await self._signed(self.manifest_key)).values())
         good = [v for v in copies if isinstance(v, dict)]
         self.malformed_records += len(copies) - len(good)
         if not good:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -19,6 +19,7 @@ from .schedule import check_schedule, default_overlap, fragment_offset
 
 Compression = Literal["none", "fp16", "int8"]
 Outcome = Literal["ok", "solo", "failed", "skipped_no_contact", "rejected"]
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,17 +4,18 @@ What a round returns is the token-weighted mean of the members' pseudo-gradients
 `avg = Σ w_i Δ_i / Σ w_i`: a convex combination, so `‖avg‖ ≤ max_i ‖Δ_i‖`. Honest
 islands of one run train the same model with the same inner optimizer, learning
 rate schedule and window, so their pseudo-gradients have norms of the same order
-(measured: see bench/README.md, "update norms"). An average far above this
+(measured: bench/README.md, "A hostile peer"). An average far above this
 island's own norm, or above the norms it accepted recently, cannot come from
 honest members: someone sent a huge update, claimed a huge weight, or — as
 reducer of one part of the vector in hivemind's butterfly all-reduce — returned
 garbage for that part. Each of these ends up in the result, which is what is
 checked: finite, the right shapes and dtype, and a norm within `NORM_RATIO` of
-the reference. A consensus round (the agreed values themselves averaged again)
-must land close to this island's own agreed values (`DRIFT_RATIO`).
+the reference; so is each member's reduced part (`spoiled_spans`), which names
+the reducer to blame. A consensus round (the agreed values themselves averaged
+again) must land close to this island's own agreed values (`consensus_bound`).
 
-What is not caught: a member that stays within the bound. It can bias a round by
-at most NORM_RATIO times an honest update, and it is diluted by the honest weight.
+What is not caught: a member, or a reducer for its part, that stays within the
+bound. It can bias a round by at most NORM_RATIO times an honest update.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import torch
 
 NORM_RATIO = 4.0
 """An averaged pseudo-gradient may be at most this many times the reference norm (max of this
-island's own and the median of recently accepted averages). Convexity gives 1 for equal honest
-norms; islands with other batch sizes and data differ, measured up to ~1.5x here: 4 leaves room."""
+island's own and the median of recently accepted averages). Convexity gives at most the largest
+member's norm; measured |avg| / |own| in honest rounds: 0.53 to 0.88 (bench.hostile), so 4 leaves
+room for islands whose updates are larger than this one's."""
 HISTORY = 16
 DRIFT_RATIO = 0.1
-"""A consensus round may move this island's agreed values by at most this fraction of their norm.
-Replicas drift apart by a round's outer step at most (a split round), ~1e-3 of the norm here."""
+"""How far a consensus round may move this island's agreed values, as a fraction of their norm
+(unless NORM_RATIO accepted updates are more: consensus_bound)."""
 
 
 def tensors_norm(values: Iterable[torch.Tensor]) -> float:
@@ -117,7 +119,7 @@ def spoiled_spans(
     of bounds if its norm exceeds `ratio` times this island's own part, or the
     reference norm's share of it (sqrt of the fraction of elements), whichever is
     larger. What a reducer can still do undetected is move its part within that
-    bound for one round (see DESIGN differences in the issue note)."""
+    bound for one round."""
     total = max(own.numel(), 1)
     bad = []
     for peer, ranges in spans.items():

@@ -37,19 +37,17 @@ def main() -> int:
             return (await reduce(self, *args, **kwargs)) * 50
 
         TensorPartReducer.accumulate_part = spoiled  # before the averagers' processes fork
-        from islands.node.cli import main as node_main
+    else:
+        from islands.protocols.diloco import StreamingDiLoCo
 
-        return node_main(argv)
-    from islands.protocols.diloco import StreamingDiLoCo
+        honest = StreamingDiLoCo.contribution
 
-    honest = StreamingDiLoCo.contribution
+        def poisoned(self, fragment, round_, step, params):
+            c = honest(self, fragment, round_, step, params)
+            c.delta = poison(mode, round_, c.delta)
+            return c
 
-    def poisoned(self, fragment, round_, step, params):
-        c = honest(self, fragment, round_, step, params)
-        c.delta = poison(mode, round_, c.delta)
-        return c
-
-    StreamingDiLoCo.contribution = poisoned
+        StreamingDiLoCo.contribution = poisoned
     from islands.node.cli import main as node_main
 
     return node_main(argv)

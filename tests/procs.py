@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.node.events import EventTail
+from islands.node.ranks import free_port  # noqa: F401 - the tests' and benchmarks' too
 
 NODE = [sys.executable, "-m", "islands.node"]
 
@@ -111,15 +112,6 @@ class NodeProcess:
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.poll_events() if e["event"] == kind]
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (for a node behind a relay, whose real port must be known first)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RelayProcess:
