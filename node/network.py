@@ -23,6 +23,8 @@ from islands.protocols.records import (
     choose_shard,
     expected_group,
     live_records,
+    redial_targets,
+    remember,
 )
 from islands.protocols.signing import IdentityError
 
@@ -68,6 +70,8 @@ class Network:
         self.dht: SwarmDHT | None = None
         self.averaging: FragmentAveraging | None = None
         self.peers: dict[str, IslandRecord] = {}
+        self.known: dict[str, IslandRecord] = {}
+        """The newest record ever read of each peer: where to dial it again if the DHT loses it."""
         self._task: asyncio.Task | None = None
         self._maddrs: list[str] = []
         self.refusals = RefusalLog()
@@ -190,9 +194,28 @@ class Network:
             await self.dht.store_island(self.record())
             if self.status.state != "left":
                 await self.dht.store_manifest(self.manifest)
-            self.peers = await self.dht.islands()
+            self._read(await self.dht.islands())
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - the DHT may be briefly unreachable
             logger.warning("DHT refresh failed: %r", e)
+        await self.redial()
+
+    def _read(self, peers: dict[str, IslandRecord]) -> None:
+        self.peers = peers
+        self.known = remember(self.known, peers)
+
+    async def redial(self) -> None:
+        """Dial again the known peers the DHT has lost (after a partition, it would not by itself)."""
+        targets = redial_targets(self.known, dht_now(), self.peer_id, self.cfg.net.join)
+        if self.averaging is not None:
+            now = time.monotonic()
+            targets = {p: m for p, m in targets.items() if not self.averaging.reputation.is_banned(p, now)}
+        try:
+            back = await self.dht.redial(targets)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - next refresh tries again
+            logger.info("re-dialling lost peers failed: %r", e)
+            return
+        for peer in back:
+            logger.info("peer %s is reachable again: back in the DHT", peer)
 
     async def read_peers(self, timeout_s: float = 0.5) -> None:
         """Read everyone's records (without publishing this island's), bounded tightly: it runs
@@ -200,7 +223,7 @@ class Network:
         if self._out_of_contact():
             return
         try:
-            self.peers = await asyncio.wait_for(self.dht.islands(), timeout=timeout_s)
+            self._read(await asyncio.wait_for(self.dht.islands(), timeout=timeout_s))
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep the last view
             logger.info("reading the island records failed: %r", e)
 

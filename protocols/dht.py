@@ -11,6 +11,7 @@ content does not hold is dropped and counted (`forged_records`,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -21,7 +22,10 @@ from typing import Any
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from .admission import namespace
 from .authorizer import SwarmKeyAuthorizer
@@ -32,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_TTL_S = 300.0
 DHT_TIMEOUT_S = 10.0
+REDIAL_TIMEOUT_S = 4.0
+"""How long a re-dial of lost peers may take (peers still cut off just do not answer)."""
 
 
 class SwarmDHT:
@@ -136,8 +142,41 @@ class SwarmDHT:
             out[peer_id] = record
         return out
 
+    async def redial(self, targets: dict[str, list[str]], timeout_s: float = REDIAL_TIMEOUT_S) -> list[str]:
+        """Dial and ping the `targets` (peer id -> addresses) that the DHT's routing table lacks;
+        the peer ids that answered (each is back in the table, and this node in theirs)."""
+        if not targets:
+            return []
+        return await self._call(self.dht.run_coroutine, functools.partial(_redial, targets, timeout_s))
+
     def shutdown(self) -> None:
         self.dht.shutdown()
+
+
+async def _redial(targets: dict[str, list[str]], timeout_s: float, _dht: DHT, node: DHTNode) -> list[str]:
+    """In the DHT's process. hivemind drops a peer from the routing table when a request to it
+    fails and never dials it again by itself: after a partition heals, two islands that each
+    lost the other would stay apart for good. A ping that answers puts both back."""
+
+    async def one(peer_id: str, maddrs: list[str]) -> str | None:
+        peer = PeerID.from_base58(peer_id)
+        if peer in node.protocol.routing_table.peer_id_to_uid:
+            return None
+        try:  # p2pd may have forgotten the addresses; hivemind itself dials through its client like this
+            await node.p2p._client.connect(peer, [Multiaddr(m) for m in maddrs])
+        except Exception:  # noqa: BLE001 - the ping below says whether the peer is reachable
+            pass
+        if await node.protocol.call_ping(peer) is None:
+            return None
+        if peer in node.blacklist:  # its lookups were suspended while it did not answer
+            node.blacklist.register_success(peer)
+        return peer_id
+
+    tasks = [asyncio.create_task(one(p, m)) for p, m in targets.items()]
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    return [task.result() for task in done if not task.cancelled() and task.exception() is None and task.result()]
 
 
 def dht_now() -> float:

@@ -7,7 +7,7 @@ counted, never trusted and never a crash.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 RECORD_TTL_S = 20.0
@@ -15,6 +15,8 @@ RECORD_TTL_S = 20.0
 REFRESH_S = 4.0
 LIVE_S = 3 * REFRESH_S
 """An island whose record has not been refreshed for this long is no longer waited for."""
+FORGET_S = 600.0
+"""A peer whose last record is older than this is no longer re-dialled (see `redial_targets`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,36 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
 def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = LIVE_S) -> dict[str, IslandRecord]:
     """Records that are fresh (refreshed within ttl_s) and not withdrawn."""
     return {p: r for p, r in records.items() if r.state != "left" and now - r.time <= ttl_s}
+
+
+def remember(known: Mapping[str, IslandRecord], records: Mapping[str, IslandRecord]) -> dict[str, IslandRecord]:
+    """The newest record seen of every peer, across reads: the DHT forgets a record once it
+    expires, and after a partition the last one seen is all that tells where a peer was."""
+    out = dict(known)
+    for peer, record in records.items():
+        if peer not in out or record.time >= out[peer].time:
+            out[peer] = record
+    return out
+
+
+def redial_targets(
+    known: Mapping[str, IslandRecord], now: float, me: str, join: Sequence[str] = (), forget_s: float = FORGET_S
+) -> dict[str, list[str]]:
+    """Peer id -> addresses of the peers to dial again if the DHT has lost them: those seen in
+    the last `forget_s` that did not withdraw, and the --join peers (`/.../p2p/<id>` addresses)."""
+    out: dict[str, list[str]] = {}
+    for maddr in join:
+        address, sep, peer = maddr.rpartition("/p2p/")
+        if sep and peer and peer != me:
+            out.setdefault(peer, []).append(address)
+    for peer, r in known.items():
+        if peer == me:
+            continue
+        if r.state == "left":
+            out.pop(peer, None)
+        elif now - r.time <= forget_s and r.maddrs:
+            out[peer] = [m.rpartition("/p2p/")[0] or m for m in r.maddrs]
+    return out
 
 
 def expected_group(me: str, records: Mapping[str, IslandRecord], now: float, margin_s: float) -> int:

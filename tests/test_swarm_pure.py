@@ -5,7 +5,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from islands.node.status import lateness, render_table
 from islands.protocols.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
-from islands.protocols.records import IslandRecord, choose_shard, live_records, parse_island_record
+from islands.protocols.records import (
+    IslandRecord,
+    choose_shard,
+    live_records,
+    parse_island_record,
+    redial_targets,
+    remember,
+)
 
 GOOD = {
     "role": "island", "step": 40, "batch_tokens": 1024, "tokens_per_s": 9000.0, "step_seconds": 0.07,
@@ -34,6 +41,28 @@ def test_bad_roles_and_negative_steps_are_dropped():
 
 def _rec(peer, **kw):
     return parse_island_record(peer, {**GOOD, **kw})
+
+
+def test_remember_keeps_the_newest_record_of_each_peer():
+    known = remember({}, {"a": _rec("a", time=100.0, step=1), "b": _rec("b", time=100.0)})
+    known = remember(known, {"a": _rec("a", time=90.0, step=0)})  # an older copy from a slow replica
+    assert known["a"].step == 1 and set(known) == {"a", "b"}
+    known = remember(known, {})  # expired from the DHT: still known
+    assert set(known) == {"a", "b"}
+    assert remember(known, {"a": _rec("a", time=110.0, step=5)})["a"].step == 5
+
+
+def test_redial_targets_are_recent_peers_that_did_not_leave_and_join_peers():
+    known = {
+        "me": _rec("me", maddrs=["/ip4/1.1.1.1/tcp/1/p2p/me"]),
+        "a": _rec("a", time=100.0, maddrs=["/ip4/1.1.1.1/tcp/2/p2p/a"]),
+        "b": _rec("b", time=100.0, maddrs=["/ip4/1.1.1.1/tcp/3"], state="left"),
+        "c": _rec("c", time=100.0 - 700, maddrs=["/ip4/1.1.1.1/tcp/4"]),
+        "d": _rec("d", time=100.0, maddrs=[]),
+    }
+    join = ["/ip4/9.9.9.9/tcp/9/p2p/j", "/ip4/1.1.1.1/tcp/3/p2p/b", "/ip4/9.9.9.9/tcp/8"]
+    targets = redial_targets(known, now=100.0, me="me", join=join)
+    assert targets == {"a": ["/ip4/1.1.1.1/tcp/2"], "j": ["/ip4/9.9.9.9/tcp/9"]}
 
 
 def test_live_records_drop_stale_and_withdrawn():
