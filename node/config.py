@@ -36,6 +36,7 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 InnerOpt = Literal["adamw", "shampoo"]
 Role = Literal["island", "satellite"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
+Parallel = Literal["ddp", "fsdp"]
 
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3}
 
@@ -58,6 +59,11 @@ class TrainConfig:
         1, "ranks of this island: data-parallel processes (gloo on CPU, NCCL on GPU), each with --batch-size "
         "sequences a step; rank 0 is the island's member of the swarm (under torchrun, its WORLD_SIZE rules)", metavar="N",
     )
+    parallel: Parallel = _opt(
+        "ddp", "how the ranks of a multi-rank island share the model: ddp (each holds all of it), or fsdp (FSDP2: "
+        "each holds 1/N of the parameters, gradients and inner optimizer state; adamw only; the inner optimizer's "
+        "state is not checkpointed)",
+    )
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N; on cuda, bf16 autocast")
     balance: bool = _opt(
         False, "every window, set gradient accumulation (micro-batches of --batch-size per step, up to 16) so that "
@@ -72,6 +78,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.parallel == "fsdp" and self.inner_opt != "adamw":
+            raise ValueError(f"parallel fsdp works with inner_opt adamw only (shampoo's preconditioners need whole tensors), got {self.inner_opt!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("warmup_steps", "eval_every", "torch_threads"):

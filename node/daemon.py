@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ def follow(cfg: Config, env: RankEnv) -> int:
     model.to(device)
     corpus = load_corpus(cfg.data, cfg.train.seq_len)
     try:
-        ranks = RankGroup(env, device, layout, rank_timeout_s(cfg))
+        ranks = RankGroup(env, device, layout, rank_timeout_s(cfg), sharded=cfg.train.parallel == "fsdp")
     except (RuntimeError, ValueError) as e:
         logger.error("rank %d: could not meet rank 0: %s", env.rank, e)
         return 1
@@ -100,8 +100,7 @@ def follow(cfg: Config, env: RankEnv) -> int:
             device=device, rank=env.rank, world=env.world,
         )
         ranks.attach(trainer)
-        params = dict(model.named_parameters())
-        while (order := ranks.next_step(params)) is not None:
+        while (order := ranks.next_step(trainer.evaluate)) is not None:
             step, trainer.accum = order
             ranks.guard(trainer.step, step)
         return 0
@@ -139,9 +138,11 @@ class Island:
         self.model, self.layout, self.manifest = build_model(cfg)
         self.model.to(self.device)
         self.ranks = None
+        if ranks is None and cfg.train.parallel == "fsdp":
+            raise StartupError("--parallel fsdp shards the model over the island's ranks: give --nproc N (N >= 2) or run under torchrun")
         if ranks is not None:
             try:
-                self.ranks = RankGroup(ranks, self.device, self.layout, rank_timeout_s(cfg))
+                self.ranks = RankGroup(ranks, self.device, self.layout, rank_timeout_s(cfg), sharded=cfg.train.parallel == "fsdp")
             except (RuntimeError, ValueError) as e:  # the ranks did not meet (torch's store errors are RuntimeErrors)
                 raise StartupError(f"the island's {ranks.world} ranks could not meet: {e}") from None
         try:
@@ -259,7 +260,8 @@ class Island:
             r = self.resume
             try:
                 self.model.load_state_dict(r.local_state)
-                trainer.optimizer.load_state_dict(r.inner_opt_state)
+                if r.inner_opt_state:  # a sharded island checkpoints none: its inner optimizer starts afresh
+                    trainer.optimizer.load_state_dict(r.inner_opt_state)
                 diloco.load(r.global_state, r.outer_state, r.fragments)
             except (RuntimeError, KeyError, ValueError) as e:
                 raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
@@ -288,12 +290,17 @@ class Island:
             except RankFailure as e:
                 raise StartupError(str(e)) from None
             diloco.on_local_change = ranks.mark
-            progress.note(f"{ranks.world} ranks: data-parallel on {self.device} ({'nccl' if self.device.type == 'cuda' else 'gloo'})")
+            params = ranks.view(params)
+            whole, local = ranks.model_bytes()
+            progress.note(
+                f"{ranks.world} ranks: {cfg.train.parallel} on {self.device} ({'nccl' if self.device.type == 'cuda' else 'gloo'}); "
+                f"model {whole / 1e6:.1f} MB, {local / 1e6:.1f} MB of it on this rank"
+            )
 
         def inner_step(step: int):
             if self.ranks is None:
                 return trainer.step(step)
-            self.ranks.before_step(step, params, trainer.accum)
+            self.ranks.before_step(step, trainer.accum)
             return self.ranks.guard(trainer.step, step)  # DDP's gradient all-reduce runs inside
 
         def state_for_joiners(fragment: int) -> tuple[dict, list]:
@@ -330,6 +337,15 @@ class Island:
         recent_seconds: deque[float] = deque(maxlen=10)  # per micro-batch
         step = start_step
 
+        sharded = self.ranks is not None and self.ranks.sharded
+        failed = False
+
+        def local_state() -> dict[str, torch.Tensor]:
+            """The island's own parameters (sharded: gathered; after a rank failed, the last full copy)."""
+            if sharded and failed:
+                return dict(self.ranks.mirror)
+            return {n: params[n].detach().cpu() for n in params}
+
         def save() -> Path:
             nonlocal wall_mark
             now = time.monotonic()
@@ -343,9 +359,9 @@ class Island:
                     step=step,
                     manifest=self.manifest,
                     global_state=diloco.global_state(),
-                    local_state={n: t.detach().cpu() for n, t in self.model.state_dict().items()},
+                    local_state=local_state(),
                     outer_state=diloco.momentum_state(),
-                    inner_opt_state=trainer.optimizer.state_dict(),
+                    inner_opt_state={} if sharded else trainer.optimizer.state_dict(),
                     fragments=diloco.counters_state(),
                     totals=totals,
                     inner_opt=cfg.train.inner_opt,
@@ -353,63 +369,62 @@ class Island:
             )
 
         reason = "completed"
-        failed = False
         path = None
+        eval_loss = global_eval_loss = None
         try:
-            while step < cfg.train.steps:
-                if shutdown.is_set():
-                    reason = shutdown.reason or "shutdown"
-                    break
-                if satellite:
-                    in_contact = network.contact.in_contact()
-                    if in_contact != was_in_contact:
-                        was_in_contact = in_contact
-                        events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(network.contact.remaining_s(), 3))
-                        if in_contact:  # tell the islands at once, so that they wait for this satellite
-                            refreshes.add(asyncio.ensure_future(network.refresh()))
-                    if in_contact and sync.quiet:
-                        step = self._align(step, network, events)
-                        if step >= cfg.train.steps:
-                            break
-                try:
+            try:  # a failed collective: the step's, or a sharded island's gathers and evaluations
+                while step < cfg.train.steps:
+                    if shutdown.is_set():
+                        reason = shutdown.reason or "shutdown"
+                        break
+                    if satellite:
+                        in_contact = network.contact.in_contact()
+                        if in_contact != was_in_contact:
+                            was_in_contact = in_contact
+                            events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(network.contact.remaining_s(), 3))
+                            if in_contact:  # tell the islands at once, so that they wait for this satellite
+                                refreshes.add(asyncio.ensure_future(network.refresh()))
+                        if in_contact and sync.quiet:
+                            step = self._align(step, network, events)
+                            if step >= cfg.train.steps:
+                                break
                     stats = await in_torch_thread(inner_step, step + 1)
-                except RankFailure as e:
-                    reason, failed = f"rank failed: {e}", True
-                    progress.note(f"stopping: {e}")
-                    break
-                step += 1
-                totals["tokens"] += stats.tokens
-                totals["compute_seconds"] += stats.seconds
-                recent_losses.append(stats.loss)
-                recent_rate.append((time.monotonic(), stats.tokens))
-                events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
-                await sync.after_step(step, stats.tokens)
-                recent_seconds.append(stats.seconds / trainer.accum)
-                if cfg.train.balance and step % cfg.diloco.window == 0:
-                    self._balance(trainer, step, statistics.median(recent_seconds), network.peer_step_seconds(), events, progress)
-                    network.status.batch_tokens = cfg.train.batch_size * cfg.train.seq_len * world * trainer.accum
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
-                if sync.quiet and step - last_checkpoint >= checkpoint_every:
-                    await in_torch_thread(save)
-                    last_checkpoint = step
-                frag, at = sync.next_sync(step)
-                rate = _rate(recent_rate)
-                progress.update(step, stats.loss, rate, f"f{frag}@{at}")
-                network.status.step, network.status.tokens_per_s = step, rate
-                network.status.step_seconds = stats.seconds
-                network.status.next_sync = sync.next_syncs(step)
-                network.report()
-                if metrics is not None:
-                    metrics.on_step(step, stats.loss, stats.tokens, rate)
-                    metrics.on_network(**network.counts())
+                    step += 1
+                    totals["tokens"] += stats.tokens
+                    totals["compute_seconds"] += stats.seconds
+                    recent_losses.append(stats.loss)
+                    recent_rate.append((time.monotonic(), stats.tokens))
+                    events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
+                    await sync.after_step(step, stats.tokens)
+                    recent_seconds.append(stats.seconds / trainer.accum)
+                    if cfg.train.balance and step % cfg.diloco.window == 0:
+                        self._balance(trainer, step, statistics.median(recent_seconds), network.peer_step_seconds(), events, progress)
+                        network.status.batch_tokens = cfg.train.batch_size * cfg.train.seq_len * world * trainer.accum
+                    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                        events.emit("eval", step=step, eval_loss=await in_torch_thread(trainer.evaluate))
+                    if sync.quiet and step - last_checkpoint >= checkpoint_every:
+                        await in_torch_thread(save)
+                        last_checkpoint = step
+                    frag, at = sync.next_sync(step)
+                    rate = _rate(recent_rate)
+                    progress.update(step, stats.loss, rate, f"f{frag}@{at}")
+                    network.status.step, network.status.tokens_per_s = step, rate
+                    network.status.step_seconds = stats.seconds
+                    network.status.next_sync = sync.next_syncs(step)
+                    network.report()
+                    if metrics is not None:
+                        metrics.on_step(step, stats.loss, stats.tokens, rate)
+                        metrics.on_network(**network.counts())
+            except RankFailure as e:
+                reason, failed = f"rank failed: {e}", True
+                progress.note(f"stopping: {e}")
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
-            if self.ranks is not None and not failed:
-                spread = await in_torch_thread(self.ranks.stop, params)
-                events.emit("ranks", step=step, world=self.ranks.world, device=str(self.device), param_spread=spread)
             # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
-            await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
+            try:
+                await sync.flush(step, budget_s=cfg.net.leave_timeout_s if shutdown.is_set() else None)
+            except RankFailure as e:  # a sharded island gathers the fragments it applies
+                reason, failed = f"rank failed: {e}", True
             if step >= cfg.train.steps and not failed and not satellite and network.expected_group() > 1:
                 # the islands end together: one last agreement on every fragment
                 verdicts, agree_bytes = await sync.agree(round_number(step, cfg.diloco.window) + 1)
@@ -417,10 +432,24 @@ class Island:
                 totals["bytes_recv"] += agree_bytes
                 events.emit("agree", step=step, fragments=verdicts, bytes_sent=agree_bytes)
             await network.withdraw()
-            path = await in_torch_thread(save)
-            eval_loss = await in_torch_thread(trainer.evaluate)
-            global_eval_loss = await in_torch_thread(self._evaluate_global, trainer, diloco)
+            try:
+                path = await in_torch_thread(save)
+                if not (sharded and failed):  # a sharded evaluation needs every rank
+                    eval_loss = await in_torch_thread(trainer.evaluate)
+                    global_eval_loss = await in_torch_thread(self._evaluate_global, trainer, diloco, params)
+            except RankFailure as e:
+                reason, failed = f"rank failed: {e}", True
+                path = await in_torch_thread(save)  # the last full copy, then
             events.emit("eval", step=step, eval_loss=eval_loss, global_eval_loss=global_eval_loss)
+            if self.ranks is not None and not failed:
+                # the others take what changed since the last step (all ranks end alike), then leave
+                spread = await in_torch_thread(self.ranks.stop)
+                whole, local = self.ranks.model_bytes()
+                events.emit(
+                    "ranks", step=step, world=self.ranks.world, device=str(self.device), param_spread=spread,
+                    parallel=cfg.train.parallel, model_bytes=whole, rank_bytes=local,
+                    gather_peak_bytes=self.ranks.gather_peak_bytes if sharded else None,
+                )
         finally:
             progress.close()
             torch_thread.shutdown(wait=False)
@@ -521,18 +550,23 @@ class Island:
         events.emit("align", step=step, to_step=target)
         return target
 
-    def _evaluate_global(self, trainer: Trainer, diloco: StreamingDiLoCo) -> float:
-        """eval_loss of the agreed model: the fragments' global values in place of the local ones."""
-        local = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for n, t in diloco.global_state().items():
-                params[n].copy_(t)
-            try:
-                return trainer.evaluate()
-            finally:
-                for n, t in local.items():
+    def _evaluate_global(self, trainer: Trainer, diloco: StreamingDiLoCo, params: Mapping[str, torch.Tensor]) -> float:
+        """eval_loss of the agreed model: the fragments' global values in place of the local ones
+        (`params`: the model's parameters, as Streaming DiLoCo writes them)."""
+        local = {n: params[n].detach().clone() for n in params}
+
+        def put(values: Mapping[str, torch.Tensor]) -> None:
+            with torch.no_grad():
+                for n, t in values.items():
                     params[n].copy_(t)
+            for f in range(len(self.layout)):
+                diloco.on_local_change(f)
+
+        put(diloco.global_state())
+        try:
+            return trainer.evaluate()
+        finally:
+            put(local)
 
 
 class _Changed:

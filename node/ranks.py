@@ -6,11 +6,24 @@ shard, with the gradients averaged among the ranks (DistributedDataParallel;
 gloo on CPU, NCCL on GPU), so the ranks stay identical through inner steps.
 What changes the model outside an inner step happens on rank 0 only (a resume,
 a download when joining, mixing an averaged fragment in); rank 0 tells the
-others before each step which fragments changed and broadcasts them:
+others before each step which fragments changed and broadcasts them. Every
+order is a control message [op, step, fragment bitmask, micro-batches]:
 
-    start:      header [shard, data seed] -> DDP wrap (broadcasts every parameter) -> inner optimizer state
-    each step:  control [go, step, bitmask of changed fragments, micro-batches] -> those fragments' parameters
-    end:        control [stop] -> checksum spread (are the ranks still identical?)
+    start:   header [shard, data seed] -> wrap (every parameter from rank 0) -> inner optimizer state
+    STEP:    the changed fragments' parameters, then an inner step of that many micro-batches
+    GATHER:  (sharded) the fragments' parameters, one tensor at a time, to rank 0
+    SCATTER: the changed fragments' parameters, from rank 0
+    EVAL:    (sharded) every rank runs the evaluation with rank 0
+    STOP:    checksum spread (are the ranks still identical?), then leave
+
+Two ways to split an island's work (`--parallel`):
+
+- ddp: every rank holds the whole model (DistributedDataParallel averages the gradients).
+- fsdp: FSDP2 `fully_shard` (per block, then the root): each rank holds 1/N of every
+  parameter, its gradient and its inner optimizer state. Rank 0 keeps a full CPU copy of the
+  parameters for Streaming DiLoCo (`ShardedParams`); a fragment is gathered into it when
+  DiLoCo reads it, one tensor at a time, so the extra accelerator memory of a round is one
+  tensor of one fragment, and the copy is scattered back when DiLoCo changed it.
 
 A rank that dies breaks the next collective on the others (gloo reports a
 closed connection at once; a frozen rank times out after `timeout_s`): the
@@ -43,6 +56,27 @@ logger = logging.getLogger(__name__)
 TIMEOUT_S = 300.0
 """A collective that does not complete in this long (a frozen rank) fails, at the least (the daemon
 allows for rank 0's wait for islands and its download before the first step)."""
+
+
+class ShardedParams(Mapping[str, torch.Tensor]):
+    """Rank 0 of a sharded island: every parameter by name, as a full CPU tensor. Reading one
+    gathers its fragment from the ranks first, unless that copy is current; a fragment written
+    through it must be marked (`RankGroup.mark`, Streaming DiLoCo's `on_local_change`), and is
+    scattered to the ranks before the next step."""
+
+    def __init__(self, group: RankGroup):
+        self.group = group
+        self.fragment_of = {n: f for f, names in enumerate(group.layout) for n in names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.group.pull(self.fragment_of[name])
+        return self.group.mirror[name]
+
+    def __iter__(self):
+        return iter(self.group.mirror)
+
+    def __len__(self) -> int:
+        return len(self.group.mirror)
 
 
 class RankFailure(RuntimeError):
@@ -83,6 +117,10 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+STOP, STEP, GATHER, SCATTER, EVAL = range(5)
+"""Control ops, rank 0 to the others."""
+
+
 def fragment_mask(fragments: set[int]) -> int:
     return sum(1 << f for f in fragments)
 
@@ -108,11 +146,24 @@ def _collective(transport_only: bool = False):
 class RankGroup:
     """This island's ranks: rank 0 drives (start, before_step, stop); the others follow (serve)."""
 
-    def __init__(self, env: RankEnv, device: torch.device, layout: Sequence[Sequence[str]], timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self, env: RankEnv, device: torch.device, layout: Sequence[Sequence[str]], timeout_s: float = TIMEOUT_S,
+        sharded: bool = False,
+    ):
+        """`sharded`: FSDP2 (--parallel fsdp) instead of DDP."""
         self.env = env
         self.device = device
         self.layout = [list(names) for names in layout]
+        self.sharded = sharded
         self.changed: set[int] = set()
+        self.fresh: set[int] = set()
+        """Sharded, rank 0: fragments whose full copy is current (gathered, or written since the last step)."""
+        self.params: dict[str, torch.Tensor] = {}
+        """This rank's parameters once wrapped (sharded: DTensors holding this rank's shard)."""
+        self.mirror: dict[str, torch.Tensor] = {}
+        """Sharded, rank 0: the full CPU copy of every parameter (see ShardedParams)."""
+        self.gather_peak_bytes = 0
+        """Sharded: the most bytes of gathered full tensors held at once on this rank's device."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=datetime.timedelta(seconds=timeout_s))
         # control messages travel on the compute device for NCCL, on CPU for gloo
@@ -137,14 +188,46 @@ class RankGroup:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (every parameter broadcast from rank 0 as it is built). Experts that
-        no token of a batch reached have no gradient: find_unused_parameters."""
-        from torch.nn.parallel import DistributedDataParallel
+        no token of a batch reached have no gradient: find_unused_parameters.
+        Sharded: every parameter from rank 0, then FSDP2 `fully_shard` on each block and the root;
+        rank 0 first keeps a full CPU copy (pinned on CUDA)."""
+        if not self.sharded:
+            from torch.nn.parallel import DistributedDataParallel
 
+            with _collective():
+                wrapped = DistributedDataParallel(
+                    model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    find_unused_parameters=True,
+                )
+            self.params = dict(model.named_parameters())
+            return wrapped
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.no_grad():
+            if self.rank == 0:
+                pin = self.device.type == "cuda"
+                self.mirror = {
+                    n: (c.pin_memory() if pin else c)
+                    for n, p in model.named_parameters()
+                    for c in [p.detach().to("cpu", torch.float32).clone()]
+                }
+            for p in model.parameters():
+                self._broadcast(p.data)
         with _collective():
-            return DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=True,
-            )
+            for block in getattr(model, "blocks", []):
+                fully_shard(block)
+            fully_shard(model)
+        self.params = dict(model.named_parameters())
+        self.fresh = set(range(len(self.layout)))
+        return model
+
+    def model_bytes(self) -> tuple[int, int]:
+        """(bytes of the whole model's parameters, bytes of this rank's share of them)."""
+        whole = local = 0
+        for p in self.params.values():
+            whole += p.numel() * p.element_size()
+            local += (p.to_local() if self.sharded else p).numel() * p.element_size()
+        return whole, local
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes rank 0's inner optimizer state (a resume)."""
@@ -163,10 +246,23 @@ class RankGroup:
 
     def attach(self, trainer) -> None:
         """Make `trainer` (node/trainer.py) one of the ranks: DDP around its model, rank 0's inner
-        optimizer state, and the step's loss averaged over the ranks."""
+        optimizer state, and the step's loss averaged over the ranks. Sharded: the model sharded,
+        a new inner optimizer over the shards (a resumed one's state does not carry over), and
+        rank 0's evaluation run by every rank (a sharded forward is a collective)."""
         trainer.forward = self.wrap(trainer.model)
-        self.share_optimizer(trainer.optimizer)
         trainer.mean = self.all_mean
+        if not self.sharded:
+            self.share_optimizer(trainer.optimizer)
+            return
+        trainer.rebuild_optimizer()
+        if self.rank == 0:
+            evaluate = trainer.evaluate
+            trainer.evaluate = lambda: self.evaluate(evaluate)
+
+    def view(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Rank 0: the parameters as Streaming DiLoCo should read and write them: the model's own
+        (ddp), or the full copy that gathers a fragment when it is read (sharded)."""
+        return ShardedParams(self) if self.sharded else params
 
     def guard(self, fn, *args):
         """Run an inner step (DDP's gradient all-reduce is inside it): a failed collective there is a
@@ -183,36 +279,85 @@ class RankGroup:
         """Rank 0 changed this fragment's parameters outside an inner step."""
         self.changed.add(fragment)
 
-    def before_step(self, step: int, params: Mapping[str, torch.Tensor], accum: int = 1) -> None:
+    def before_step(self, step: int, accum: int = 1) -> None:
         """Rank 0: tell the others to take a step (of `accum` micro-batches), with the fragments that
         changed since the last one."""
         changed, self.changed = sorted(self.changed), set()
-        self._ints([1, step, fragment_mask(set(changed)), accum])
-        self._send_fragments(changed, params)
+        self._ints([STEP, step, fragment_mask(set(changed)), accum])
+        self._send_fragments(changed)
+        self.fresh = set()  # the step changes every shard
 
-    def stop(self, params: Mapping[str, torch.Tensor]) -> float | None:
-        """Rank 0: the others leave their loop; returns how far apart the ranks' parameters ended
-        (max minus min of a float64 checksum: 0 when they are identical), None if a rank is gone."""
+    def push(self) -> None:
+        """Rank 0: send the fragments changed since the last step now (not waiting for the next step)."""
+        if self.changed:
+            changed, self.changed = sorted(self.changed), set()
+            self._ints([SCATTER, 0, fragment_mask(set(changed)), 0])
+            self._send_fragments(changed)
+
+    def pull(self, fragment: int) -> None:
+        """Rank 0, sharded: make the full copy of `fragment` current (gathered from the ranks)."""
+        if fragment in self.fresh:
+            return
+        self._ints([GATHER, 0, fragment_mask({fragment}), 0])
+        self._gather(fragment)
+        self.fresh.add(fragment)
+
+    def evaluate(self, fn):
+        """Rank 0, sharded: every rank runs `fn` (the evaluation) on the current parameters."""
+        self.push()
+        self._ints([EVAL, 0, 0, 0])
+        return self.guard(fn)
+
+    def stop(self) -> float | None:
+        """Rank 0: the others take the changed fragments and leave their loop; returns how far apart
+        the ranks' parameters ended (max minus min of a float64 checksum: 0 when they are identical;
+        None when sharded, where each holds its own shard), None if a rank is gone."""
         try:
-            self._ints([0, 0, 0, 0])
-            return self.spread(params)
+            self.push()
+            self._ints([STOP, 0, 0, 0])
+            return self.spread()
         except RankFailure:
             return None
 
-    def spread(self, params: Mapping[str, torch.Tensor]) -> float:
-        """Every rank: max minus min over the ranks of the sum of all parameters (float64)."""
+    def spread(self) -> float | None:
+        """Every rank (not sharded): max minus min over the ranks of the sum of all parameters (float64)."""
+        if self.sharded:
+            return None
         with torch.no_grad():
-            total = sum(float(p.detach().double().sum()) for p in params.values())
+            total = sum(float(p.detach().double().sum()) for p in self.params.values())
         t = torch.tensor([total, -total], dtype=torch.float64, device=self._ctl_device)
         with _collective():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0] + t[1])
 
-    def _send_fragments(self, fragments: Sequence[int], params: Mapping[str, torch.Tensor]) -> None:
+    def _send_fragments(self, fragments: Sequence[int]) -> None:
+        """Rank 0's values of these fragments to every rank (sharded: each keeps its own shard)."""
         with torch.no_grad():
             for f in fragments:
                 for n in self.layout[f]:
-                    self._broadcast(params[n].data)
+                    p = self.params[n]
+                    if not self.sharded:
+                        self._broadcast(p.data)
+                        continue
+                    if self.rank == 0:
+                        full = self.mirror[n].to(self.device, non_blocking=True)
+                    else:
+                        full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    self._broadcast(full)
+                    local = p.to_local()
+                    chunks = torch.chunk(full, self.world, dim=0)  # FSDP2's dim-0 split
+                    part = chunks[self.rank] if self.rank < len(chunks) else full[:0]
+                    local.copy_(part.reshape(local.shape))
+
+    def _gather(self, fragment: int) -> None:
+        """Sharded, every rank: the fragment's full tensors, one at a time; rank 0 keeps them."""
+        with torch.no_grad(), _collective():
+            for n in self.layout[fragment]:
+                full = self.params[n].full_tensor()
+                self.gather_peak_bytes = max(self.gather_peak_bytes, full.numel() * full.element_size())
+                if self.rank == 0:
+                    self.mirror[n].copy_(full)
+                del full
 
     # --- ranks 1.. -------------------------------------------------------
 
@@ -220,14 +365,24 @@ class RankGroup:
         shard, data_seed = self._ints([0, 0])
         return shard, data_seed
 
-    def next_step(self, params: Mapping[str, torch.Tensor]) -> tuple[int, int] | None:
-        """A follower: (step, micro-batches) to take, after taking the changed fragments; None to stop."""
-        go, step, mask, accum = self._ints([0, 0, 0, 0])
-        if not go:
-            self.spread(params)
-            return None
-        self._send_fragments(mask_fragments(mask, len(self.layout)), params)
-        return step, accum
+    def next_step(self, evaluate=None) -> tuple[int, int] | None:
+        """A follower: serve rank 0's orders up to the next step; (step, micro-batches) to take,
+        after taking the changed fragments; None to stop. `evaluate`: what EVAL runs."""
+        while True:
+            op, step, mask, accum = self._ints([0, 0, 0, 0])
+            fragments = mask_fragments(mask, len(self.layout))
+            if op == STOP:
+                self.spread()
+                return None
+            if op == GATHER:
+                for f in fragments:
+                    self._gather(f)
+            elif op == EVAL:
+                self.guard(evaluate)
+            else:  # STEP, SCATTER
+                self._send_fragments(fragments)
+                if op == STEP:
+                    return step, accum
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -83,6 +83,10 @@ class Trainer:
         self.accum = 1
         """Micro-batches of --batch-size per inner step (gradient accumulation; --balance sets it)."""
 
+    def rebuild_optimizer(self) -> None:
+        """A new inner optimizer over the model's parameters as they are now (sharded ones)."""
+        self.optimizer = make_inner_optimizer(self.cfg, self.model)
+
     def _autocast(self):
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)

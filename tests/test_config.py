@@ -86,6 +86,8 @@ def test_bad_config_files_name_the_field(tmp_path, toml, message):
         ({"metrics_port": "-1"}, "metrics_port must be"),
         ({"join": "not-an-address"}, "is not a multiaddress"),
         ({"run_id": "a b"}, "run_id must be"),
+        ({"parallel": "zero3"}, "expected one of ddp, fsdp"),
+        ({"parallel": "fsdp", "inner_opt": "shampoo"}, "parallel fsdp works with inner_opt adamw only"),
     ],
 )
 def test_bad_values_name_the_option(values, message):

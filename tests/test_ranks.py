@@ -3,10 +3,15 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from islands.node.ranks import RankEnv, fragment_mask, mask_fragments
+import torch
+import torch.multiprocessing as mp
+from islands.models.transformer import Transformer, model_config
+from islands.node.ranks import RankEnv, RankGroup, fragment_mask, free_port, mask_fragments
+from islands.protocols.fragments import split_fragments
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,6 +25,65 @@ def test_rank_environment_and_fragment_masks():
     with pytest.raises(ValueError):
         RankEnv.from_environ({"WORLD_SIZE": "2", "RANK": "5"})
     assert mask_fragments(fragment_mask({0, 3}), 4) == [0, 3] and mask_fragments(0, 4) == []
+
+
+def _sharded_rank(rank: int, port: int, out: str) -> None:
+    """One of two ranks of a sharded island: rank 0 reads a fragment through its full copy, writes
+    it, and the ranks' shards must then hold exactly that; the follower serves rank 0's orders."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.manual_seed(0)
+    model = Transformer(model_config("tiny"))
+    layout = split_fragments(model.layer_groups(), 4)
+    group = RankGroup(RankEnv(rank, 2, rank), torch.device("cpu"), layout, timeout_s=60, sharded=True)
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        group.wrap(model)
+        if rank == 0:
+            group.before_step(1)
+        else:
+            assert group.next_step() == (1, 1)
+        with torch.no_grad():  # what the inner step does: every rank's shard moves
+            for p in group.params.values():
+                p.to_local().add_(1.0 + rank)
+        names = layout[2]
+        read = None
+        if rank == 0:
+            view = group.view({})
+            read = {n: view[n].clone() for n in names}  # gathers fragment 2
+            with torch.no_grad():
+                for n in names:
+                    view[n].copy_(read[n] * 0.5)
+            group.mark(2)
+            group.evaluate(lambda: 0.0)  # sends the changed fragment first
+            group.stop()
+        else:
+            assert group.next_step(evaluate=lambda: 0.0) is None
+        torch.save({"before": before, "read": read, "local": {n: group.params[n].to_local().clone() for n in names},
+                    "peak": group.gather_peak_bytes, "bytes": group.model_bytes()}, f"{out}/rank{rank}.pt")
+    finally:
+        group.close()
+
+
+def test_a_sharded_island_gathers_and_scatters_a_fragment_exactly(tmp_path):
+    mp.start_processes(_sharded_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for n, read in r0["read"].items():
+        shards = [r["local"][n] for r in (r0, r1)]
+        # what rank 0 read: every rank's moved shard, put together
+        expected = r0["before"][n] + torch.cat([torch.ones_like(shards[0]), 2 * torch.ones_like(shards[1])])
+        assert torch.equal(read, expected), n
+        # what the ranks hold after rank 0 wrote half of it: exactly their halves of that
+        assert torch.equal(torch.cat(shards), expected * 0.5), n
+    whole, local = r0["bytes"]
+    assert local == whole // 2 and 0 < r0["peak"] <= max(t.numel() * 4 for t in r0["read"].values())
+
+
+def test_a_sharded_island_needs_several_ranks(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "islands.node", "--parallel", "fsdp", "--steps", "5", "--run-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and "--parallel fsdp shards the model over the island's ranks" in out.stderr
 
 
 def _rank_pids(node_pid: int) -> dict[int, int]:
@@ -46,15 +110,21 @@ def _max_diff(a, b) -> float:
     return max((ta[k] - tb[k]).abs().max().item() for k in ta)
 
 
-def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tmp_path, parallel):
     common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", "mixed-ranks", "--batch-size", "4"]
     maddr = tmp_path / "a.maddr"
-    a = nodes([*common, "--nproc", "2", "--maddr-file", str(maddr)], tmp_path / "a", name="a")
+    a = nodes([*common, "--nproc", "2", "--parallel", parallel, "--maddr-file", str(maddr)], tmp_path / "a", name="a")
     b = nodes([*common, "--join", a.wait_file(maddr, 90)], tmp_path / "b", name="b")
     for node in (a, b):
         assert node.wait_exit(240) == 0, node.stderr()
     [ranks] = a.of("ranks")
-    assert ranks["world"] == 2 and ranks["param_spread"] == 0.0  # the ranks stayed identical
+    assert ranks["world"] == 2 and ranks["parallel"] == parallel
+    if parallel == "ddp":
+        assert ranks["param_spread"] == 0.0 and ranks["rank_bytes"] == ranks["model_bytes"]  # the ranks stayed identical
+    else:  # each rank holds half; a round gathered at most one tensor of a fragment at a time
+        assert ranks["rank_bytes"] == ranks["model_bytes"] // 2
+        assert 0 < ranks["gather_peak_bytes"] < ranks["model_bytes"] / 4
     for node, world in ((a, 2), (b, 1)):
         syncs = node.of("sync")
         ok = [s for s in syncs if s["outcome"] == "ok" and s["group_size"] == 2]
@@ -66,10 +136,11 @@ def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tm
     assert _max_diff(ga, gb) < 1e-4
 
 
-def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_path, parallel):
     common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", "rank-crash", "--batch-size", "4", "--match-wait-s", "3"]
     maddr = tmp_path / "a.maddr"
-    a = nodes([*common, "--nproc", "2", "--maddr-file", str(maddr)], tmp_path / "a", name="a")
+    a = nodes([*common, "--nproc", "2", "--parallel", parallel, "--maddr-file", str(maddr)], tmp_path / "a", name="a")
     b = nodes([*common, "--join", a.wait_file(maddr, 90)], tmp_path / "b", name="b")
     a.wait_for(lambda e: e["event"] == "step" and e["step"] >= 25, 120, "A at step 25")
     worker = _rank_pids(a.proc.pid)[1]
