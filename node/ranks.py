@@ -320,15 +320,17 @@ class RankGroup:
             return None
 
     def spread(self) -> float | None:
-        """Every rank (not sharded): max minus min over the ranks of the sum of all parameters (float64)."""
-        if self.sharded:
-            return None
-        with torch.no_grad():
-            total = sum(float(p.detach().double().sum()) for p in self.params.values())
+        """Every rank: max minus min over the ranks of the sum of all parameters (float64); None when
+        sharded. Either way the last collective: no rank tears the group down while another still
+        uses it (a follower aborted at exit now and then without it)."""
+        total = 0.0
+        if not self.sharded:
+            with torch.no_grad():
+                total = sum(float(p.detach().double().sum()) for p in self.params.values())
         t = torch.tensor([total, -total], dtype=torch.float64, device=self._ctl_device)
         with _collective():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t[0] + t[1])
+        return None if self.sharded else float(t[0] + t[1])
 
     def _send_fragments(self, fragments: Sequence[int]) -> None:
         """Rank 0's values of these fragments to every rank (sharded: each keeps its own shard)."""
@@ -422,10 +424,14 @@ def launch_workers(argv: Sequence[str], nproc: int, environ: Mapping[str, str]) 
 
 
 def stop_workers(workers: Sequence[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for w in workers:
+    for rank, w in enumerate(workers, start=1):
         if w.poll() is None:
             try:
                 w.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                logger.warning("rank %d did not leave within %gs: killed", rank, timeout_s)
                 w.kill()
                 w.wait(timeout=10)
+                continue
+        if w.returncode:
+            logger.warning("rank %d exited with status %d", rank, w.returncode)
