@@ -3,15 +3,21 @@
     python -m bench.ranks --out bench/results/ranks.json
 
 Real `islands-node` processes on 127.0.0.1 (tests/procs.py):
-1. one island alone, `--nproc 1` and `--nproc 2` (DDP over gloo), 80 steps: step time, tokens/s;
-2. a mixed swarm: A with `--nproc 2`, B a single process (`--window 20 --fragments 4
+1. one island alone, `--nproc 1`, `--nproc 2` (DDP over gloo) and `--nproc 2 --parallel fsdp`,
+   80 steps: step time, tokens/s;
+2. memory: one island of 2 ranks, model `small` (67M parameters), DDP against FSDP, 30 steps with
+   rounds at 20 and 25: the model's bytes, a rank's share, the most bytes a round gathered at once,
+   and each process's peak resident memory (VmHWM);
+3. a mixed swarm: A with `--nproc 2` (DDP, then FSDP), B a single process (`--window 20 --fragments 4
    --steps 100 --batch-size 4`): syncs ok, agreement of the final agreed models, A's rank spread;
-3. A at batch 2 per rank with `--balance`, B at batch 64: what balance chose, and the islands' round times.
+4. A at batch 2 per rank with `--balance`, B at batch 64: what balance chose, and the islands' round times.
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import threading
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -34,24 +40,61 @@ def _diff(a: Path, b: Path) -> float:
     return max((ta[k] - tb[k]).abs().max().item() for k in ta)
 
 
-def alone(root: Path, nproc: int) -> dict:
+class PeakMemory:
+    """The peak resident memory (VmHWM, MB) of a process and its children, polled until stopped."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak_mb, self._stop = pid, {}, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            children = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout.split()
+            for pid in [self.pid, *map(int, children)]:
+                try:  # the ranks only (the node's other children are hivemind's DHT, averagers and p2pd)
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                    if pid != self.pid and b"RANK" not in env:
+                        continue
+                    with open(f"/proc/{pid}/status") as f:
+                        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+                    name = f"rank{env.get(b'RANK', b'0').decode()}"
+                    self.peak_mb[name] = max(self.peak_mb.get(name, 0), round(hwm / 1024))
+                except (OSError, StopIteration, ValueError):
+                    pass
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_mb
+
+
+def alone(root: Path, nproc: int, parallel: str = "ddp", model: str = "tiny", steps: int = 80) -> dict:
     nodes = Nodes(root)
     try:
-        a = nodes.start("a", [*SCHEDULE, "--steps", "80", "--nproc", str(nproc), "--run-id", f"alone{nproc}"])
-        nodes.finish([a], 300)
-        return {"nproc": nproc, **_steps(a), "wall_seconds": a.of("summary")[0]["wall_seconds"]}
+        a = nodes.start("a", [*SCHEDULE, "--steps", str(steps), "--nproc", str(nproc), "--parallel", parallel,
+                              "--model", model, "--run-id", f"alone{nproc}"])
+        memory = PeakMemory(a.proc.pid)
+        nodes.finish([a], 600)
+        out = {"nproc": nproc, "parallel": parallel, "model": model, **_steps(a, skip=min(20, steps // 3)),
+               "wall_seconds": a.of("summary")[0]["wall_seconds"], "peak_rss_mb": memory.stop()}
+        for r in a.of("ranks"):
+            out.update({k: r[k] for k in ("model_bytes", "rank_bytes", "fragment_bytes", "gather_peak_bytes")})
+        return out
     finally:
         nodes.stop()
 
 
-def mixed(root: Path, a_batch: int, b_batch: int, balance: bool) -> dict:
+def mixed(root: Path, a_batch: int, b_batch: int, balance: bool, parallel: str = "ddp") -> dict:
     nodes = Nodes(root)
     try:
         common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", "mixed-ranks"]
-        a, join = nodes.first("a", [*common, "--nproc", "2", "--batch-size", str(a_batch), *(["--balance"] if balance else [])])
+        a, join = nodes.first("a", [*common, "--nproc", "2", "--parallel", parallel, "--batch-size", str(a_batch),
+                                    *(["--balance"] if balance else [])])
         b = nodes.start("b", [*common, "--batch-size", str(b_batch), "--join", join])
         nodes.finish([a, b], 400)
-        out: dict = {"a_batch": a_batch, "b_batch": b_batch, "balance": balance}
+        out: dict = {"a_batch": a_batch, "b_batch": b_batch, "balance": balance, "parallel": parallel}
         for name, node in (("a", a), ("b", b)):
             syncs = node.of("sync")
             out[name] = {
@@ -71,24 +114,31 @@ def mixed(root: Path, a_batch: int, b_batch: int, balance: bool) -> dict:
 
 def main() -> None:
     args, root = parse(__doc__, "bench-runs/ranks")
-    solo = [alone(root / f"alone{n}", n) for n in (1, 2)]
+    solo = [alone(root / "alone1", 1), alone(root / "alone2", 2), alone(root / "alone2-fsdp", 2, "fsdp")]
     print(table(
-        [[str(r["nproc"]), f"{r['step_seconds'] * 1000:.1f} ms", str(r["tokens_per_step"]), f"{r['tokens_per_s'] / 1000:.1f}k"] for r in solo],
+        [[f"{r['nproc']} {r['parallel']}", f"{r['step_seconds'] * 1000:.1f} ms", str(r["tokens_per_step"]), f"{r['tokens_per_s'] / 1000:.1f}k"] for r in solo],
         ["ranks", "step (median)", "tokens/step", "tokens/s"],
     ))
-    swarms = [mixed(root / "mixed", 4, 4, False), mixed(root / "balance", 2, 64, True)]
+    memory = [alone(root / f"memory-{p}", 2, p, "small", 30) for p in ("ddp", "fsdp")]
+    print(table(
+        [[r["parallel"], f"{r['model_bytes'] / 1e6:.1f} MB", f"{r['fragment_bytes'] / 1e6:.1f} MB", f"{r['rank_bytes'] / 1e6:.1f} MB",
+          "-" if r["gather_peak_bytes"] is None else f"{r['gather_peak_bytes'] / 1e6:.2f} MB",
+          ", ".join(f"{k} {v} MB" for k, v in sorted(r["peak_rss_mb"].items())), f"{r['step_seconds']:.2f} s"] for r in memory],
+        ["small, 2 ranks", "model", "largest fragment", "per rank", "gather peak", "peak RSS", "step"],
+    ))
+    swarms = [mixed(root / "mixed", 4, 4, False), mixed(root / "mixed-fsdp", 4, 4, False, "fsdp"), mixed(root / "balance", 2, 64, True)]
     rows = []
     for s in swarms:
         for name in "ab":
             r = s[name]
             rows.append([
-                f"{'A (2 ranks)' if name == 'a' else 'B (1 process)'} b{s[name + '_batch']}{' --balance' if name == 'a' and s['balance'] else ''}",
+                f"{'A (2 ranks, ' + s['parallel'] + ')' if name == 'a' else 'B (1 process)'} b{s[name + '_batch']}{' --balance' if name == 'a' and s['balance'] else ''}",
                 f"{r['step_seconds'] * 1000:.0f} ms", f"{r['tokens_per_s'] / 1000:.1f}k", r["ok_group_2"], f"{r['round_seconds_median']}",
                 f"{r['eval_loss']}", f"{s['global_max_diff']:.1e}",
                 ", ".join(f"{b['accum_from']}->{b['accum']}@{b['step']}" for b in r.get("balance", [])) or "-",
             ])
     print(table(rows, ["island", "step", "tokens/s", "ok (group 2)", "round s", "eval loss", "global diff", "balance"]))
-    write(args.out, {"alone": solo, "mixed": swarms})
+    write(args.out, {"alone": solo, "memory": memory, "mixed": swarms})
 
 
 if __name__ == "__main__":

@@ -447,7 +447,7 @@ class Island:
                 whole, local = self.ranks.model_bytes()
                 events.emit(
                     "ranks", step=step, world=self.ranks.world, device=str(self.device), param_spread=spread,
-                    parallel=cfg.train.parallel, model_bytes=whole, rank_bytes=local,
+                    parallel=cfg.train.parallel, model_bytes=whole, rank_bytes=local, fragment_bytes=self.ranks.fragment_bytes(),
                     gather_peak_bytes=self.ranks.gather_peak_bytes if sharded else None,
                 )
         finally:

@@ -221,6 +221,10 @@ class RankGroup:
         self.fresh = set(range(len(self.layout)))
         return model
 
+    def fragment_bytes(self) -> int:
+        """Bytes of the largest fragment's parameters (what a whole-fragment gather would hold)."""
+        return max(sum(self.params[n].numel() * self.params[n].element_size() for n in names) for names in self.layout)
+
     def model_bytes(self) -> tuple[int, int]:
         """(bytes of the whole model's parameters, bytes of this rank's share of them)."""
         whole = local = 0

@@ -124,7 +124,7 @@ def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tm
         assert ranks["param_spread"] == 0.0 and ranks["rank_bytes"] == ranks["model_bytes"]  # the ranks stayed identical
     else:  # each rank holds half; a round gathered at most one tensor of a fragment at a time
         assert ranks["rank_bytes"] == ranks["model_bytes"] // 2
-        assert 0 < ranks["gather_peak_bytes"] < ranks["model_bytes"] / 4
+        assert 0 < ranks["gather_peak_bytes"] <= ranks["fragment_bytes"] < ranks["model_bytes"]
     for node, world in ((a, 2), (b, 1)):
         syncs = node.of("sync")
         ok = [s for s in syncs if s["outcome"] == "ok" and s["group_size"] == 2]
