@@ -6,7 +6,9 @@ and the islands' round times with and without a satellite.
 Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/procs.py):
 1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; B is
    SIGKILLed one step into a round after step 100.
-2. satellite: 3 islands with and without a satellite `up 10s every 30s` (240 steps).
+2. satellite: 3 islands with and without a satellite `up 10s every 30s` (240 steps);
+3. the same with the satellite over its own link: every island behind a `lan` relay that gives
+   connections from the satellite's address (it listens on 127.0.0.2) the `satellite` profile.
 """
 
 from __future__ import annotations
@@ -65,15 +67,25 @@ def crash(root: Path) -> dict:
         nodes.stop()
 
 
-def satellite(root: Path, with_satellite: bool) -> dict:
+SATELLITE_SOURCE = "127.0.0.2"
+"""The satellite listens (and so dials) from here; the islands' relays give it the satellite link."""
+
+
+def satellite(root: Path, with_satellite: bool, link: bool = False) -> dict:
+    """With `link`: every island behind a `lan` relay that gives connections from the satellite's
+    address the `satellite` profile (300 ms one way, 10 Mbit/s): the satellite's own link."""
     nodes = Nodes(root)
     try:
         common = [*SCHEDULE, "--steps", "240", "--run-id", "bench-orbit"]
-        a, join = nodes.first("a", [*common, "--wait-islands", "3"])
-        islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join]) for n in "bc"]
+        relay = ["--profile", "lan", "--from", f"{SATELLITE_SOURCE}=satellite"] if link else None
+        a, join = nodes.first("a", [*common, "--wait-islands", "3"], relay)
+        islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join], relay) for n in "bc"]
         sat = None
         if with_satellite:
-            sat = nodes.start("sat", [*common, "--join", join, "--role", "satellite", "--contact", "up 10s every 30s"])
+            sat_args = [*common, "--join", join, "--role", "satellite", "--contact", "up 10s every 30s"]
+            if link:  # only the satellite's address, so that its connections leave from it
+                sat_args[sat_args.index("--listen") + 1] = f"/ip4/{SATELLITE_SOURCE}/tcp/0"
+            sat = nodes.start("sat", sat_args)
         for node in islands + ([sat] if sat else []):
             node.wait_exit(300)
         island_syncs = [s for n in islands for s in n.of("sync")]
@@ -103,6 +115,7 @@ def main() -> None:
         "crash": crash(root / "crash"),
         "without_satellite": satellite(root / "plain", False),
         "with_satellite": satellite(root / "sat", True),
+        "with_satellite_link": satellite(root / "satlink", True, link=True),
     }
     c, w, wo = figures["crash"], figures["with_satellite"], figures["without_satellite"]
     print(table(
@@ -115,6 +128,9 @@ def main() -> None:
             ["island round s (median / p90), satellite", f"{w['island_round_seconds_median']} / {w['island_round_seconds_p90']}"],
             ["island ok share, no satellite / satellite", f"{wo['island_share_ok']} / {w['island_share_ok']}"],
             ["satellite syncs", str(w["satellite_outcomes"])],
+            ["satellite over its own link (islands behind relays): island round s (median / p90)",
+             f"{figures['with_satellite_link']['island_round_seconds_median']} / {figures['with_satellite_link']['island_round_seconds_p90']}"],
+            ["... satellite syncs", str(figures["with_satellite_link"]["satellite_outcomes"])],
         ],
         ["figure", "value"],
     ))

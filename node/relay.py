@@ -80,10 +80,16 @@ def chunk_bytes(rate_bytes_per_s: float | None) -> int:
 class Relay:
     """Accepts on `listen`, dials `target` for each connection, forwards both ways through the link."""
 
-    def __init__(self, target: tuple[str, int], profile: LinkProfile, contact: ContactClock | None = None):
+    def __init__(
+        self, target: tuple[str, int], profile: LinkProfile, contact: ContactClock | None = None,
+        by_source: dict[str, LinkProfile] | None = None,
+    ):
+        """`by_source`: connections from these source addresses cross that link instead (its delay
+        and rate; no contact windows: the node at the other end keeps its own)."""
         self.target = target
         self.profile = profile
         self.contact = contact
+        self.by_source = dict(by_source or {})
         self.server: asyncio.Server | None = None
         self.connections = 0
         self.bytes = {"to_node": 0, "from_node": 0}
@@ -99,6 +105,9 @@ class Relay:
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        peer = client_writer.get_extra_info("peername")
+        special = self.by_source.get(peer[0]) if peer else None
+        profile, contact = (special, None) if special is not None else (self.profile, self.contact)
         try:
             upstream_reader, upstream_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), timeout=10)
         except (OSError, asyncio.TimeoutError) as e:
@@ -106,20 +115,25 @@ class Relay:
             client_writer.close()
             return
         await asyncio.gather(
-            self._pump(client_reader, upstream_writer, "to_node"), self._pump(upstream_reader, client_writer, "from_node"),
+            self._pump(client_reader, upstream_writer, "to_node", profile, contact),
+            self._pump(upstream_reader, client_writer, "from_node", profile, contact),
             return_exceptions=True,
         )
         for w in (client_writer, upstream_writer):
             w.close()
 
-    async def _open(self) -> None:
-        while self.contact is not None and not self.contact.in_contact():
+    @staticmethod
+    async def _open(contact: ContactClock | None) -> None:
+        while contact is not None and not contact.in_contact():
             await asyncio.sleep(CONTACT_POLL_S)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str, profile: LinkProfile,
+        contact: ContactClock | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
-        delay_s, rate = self.profile.delay_s, self.profile.rate_bytes_per_s
+        delay_s, rate = profile.delay_s, profile.rate_bytes_per_s
         size = chunk_bytes(rate)
 
         async def send() -> None:
@@ -130,7 +144,7 @@ class Relay:
                 wait_s = due - loop.time()
                 if wait_s > 0:
                     await asyncio.sleep(wait_s)
-                await self._open()
+                await self._open(contact)
                 writer.write(data)
                 await writer.drain()
                 self.bytes[direction] += len(data)
@@ -139,7 +153,7 @@ class Relay:
         last = 0.0
         try:
             while True:
-                await self._open()
+                await self._open(contact)
                 data = await reader.read(size)
                 if not data:
                     break
@@ -165,6 +179,13 @@ def _host_port(text: str) -> tuple[str, int]:
         return host or "127.0.0.1", int(port)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+
+
+def _source_profile(text: str) -> tuple[str, LinkProfile]:
+    ip, sep, name = text.partition("=")
+    if not sep or not ip or name not in PROFILES:
+        raise argparse.ArgumentTypeError(f"expected SOURCE_IP=PROFILE with a profile of {', '.join(sorted(PROFILES))}, got {text!r}")
+    return ip, PROFILES[name]
 
 
 def _profile(args: argparse.Namespace) -> LinkProfile:
@@ -193,6 +214,11 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
     parser.add_argument("--delay-ms", type=float, metavar="MS", help="one-way delay instead of the profile's")
     parser.add_argument("--rate-mbit", type=float, metavar="MBIT", help="rate cap per direction instead of the profile's (0: none)")
     parser.add_argument("--contact", metavar="SPEC", help="forward only in these windows, e.g. 'up 10s every 30s'")
+    parser.add_argument(
+        "--from", dest="by_source", type=_source_profile, action="append", default=[], metavar="SOURCE_IP=PROFILE",
+        help="connections from this source address cross that profile's link instead (its delay and rate; a satellite's "
+        "node keeps its own contact windows), e.g. 127.0.0.2=satellite for a satellite node listening on 127.0.0.2 (repeatable)",
+    )
     parser.add_argument("--port-file", metavar="PATH", help="write the port the relay listens on here")
     parser.add_argument("--stats-file", metavar="PATH", help=f"write the bytes forwarded each way here (JSON), every {STATS_EVERY_S:g} s and at exit")
     try:
@@ -207,7 +233,7 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
         return 2
 
     async def serve() -> int:
-        relay = Relay(args.to, profile, contact)
+        relay = Relay(args.to, profile, contact, dict(args.by_source))
         try:
             port = await relay.start(*args.listen)
         except OSError as e:

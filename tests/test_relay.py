@@ -114,3 +114,31 @@ async def test_relay_command_counts_the_bytes_it_forwarded(tmp_path):
         server.close()
     got = json.loads(stats.read_text())
     assert (got["to_node"], got["from_node"], got["connections"]) == (100_000, 100_000, 1), got
+
+
+async def _rtt_from(source: str, port: int) -> float:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    rtts = []
+    for _ in range(3):
+        started = time.monotonic()
+        writer.write(b"ping")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+        rtts.append(time.monotonic() - started)
+    writer.close()
+    return sorted(rtts)[1]
+
+
+async def test_connections_from_a_given_source_cross_their_own_link():
+    """A satellite's node listens on 127.0.0.2 and dials from it: the islands' relays give its
+    connections the satellite's link, everyone else's the relay's own."""
+    server, port = await _echo_server()
+    relay = Relay(("127.0.0.1", port), LinkProfile(delay_s=0.0, rate_bytes_per_s=None),
+                  by_source={"127.0.0.2": LinkProfile(delay_s=0.05, rate_bytes_per_s=None)})
+    relay_port = await relay.start("127.0.0.1", 0)
+    try:
+        assert await _rtt_from("127.0.0.2", relay_port) == pytest.approx(0.100, rel=0.10)
+        assert await _rtt_from("127.0.0.1", relay_port) < 0.02
+    finally:
+        await relay.close()
+        server.close()
