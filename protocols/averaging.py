@@ -157,11 +157,11 @@ class AveragingTimeouts:
     """The all-reduce itself, once the group is formed."""
     next_chunk_s: float = 15.0
     """A peer that sends nothing for this long is dropped from the round."""
-    request_s: float = 2.5
+    request_s: float = 1.0
     """One matchmaking request, and the grace a member that joined a leader gives it after the
-    group's scheduled start. At 1 s, under CPU contention, a leader's "begin" came later than
-    that now and then: the member gave up (`failed`) while the leader counted it, and the others
-    waited for its part until the reducer timeout (15 s)."""
+    group's scheduled start. 2.5 s was tried (bench/README.md, bench.elastic): it removed a
+    split round next to a satellite, but a crash then cost more and in one suite run a
+    satellite took a slow island's place in a round."""
     max_match_wait_s: float = 40.0
     """The longest a round waits for the others after rounds that found nobody."""
 
