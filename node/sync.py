@@ -33,7 +33,8 @@ class Averager(Protocol):
     async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
 
     async def consensus(
-        self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False
+        self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False,
+        apart: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[dict, dict, int] | None: ...
 
 
@@ -147,8 +148,11 @@ class FragmentSync:
         else:
             # a stale member's base is about to be replaced by the group's: mix after that
             late_mix = bool(result.consensus and c.staleness)
-            await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params, not late_mix)
+            alone = result.outcome != "ok"
+            await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params, not late_mix, alone)
             policy = "averaged" if result.outcome == "ok" else "own_update"
+            if result.outcome == "ok" and not result.consensus:
+                self.diloco.settled(fragment)
             if result.consensus and deadline is None:  # leaving: the others heal without this island
                 consensus, extra_bytes = await self._consensus(fragment, c.round, stale=c.staleness > 0)
                 result.bytes_sent += extra_bytes
@@ -210,7 +214,10 @@ class FragmentSync:
         d = self.diloco
         try:
             got = await asyncio.wait_for(
-                self.averager.consensus(fragment, round_, d.globals[fragment], d.momentum[fragment], stale=stale),
+                self.averager.consensus(
+                    fragment, round_, d.globals[fragment], d.momentum[fragment], stale=stale,
+                    apart=(d.counters[fragment].apart, d.counters[fragment].apart_momentum),
+                ),
                 timeout=self.round_timeout_s,
             )
         except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep own values, retry next round

@@ -482,9 +482,12 @@ class FragmentAveraging:
 
     async def consensus(
         self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
-        stale: bool = False,
+        stale: bool = False, apart: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
         """Average the agreed values and outer momentum themselves (equal weights; a stale member ~0).
+
+        `apart`: how far this island's agreed values and momentum travelled alone since they last
+        agreed with others' (see validation.consensus_bound).
 
         hivemind sends each member avg - own through the codec, so with compression
         the correction is as precise as the codec on the (small) drift.
@@ -494,8 +497,9 @@ class FragmentAveraging:
         expected = self.expected_group()
         sent = 0
         out = []
-        bound = consensus_bound(tensors_norm(global_.values()), self.history[fragment].reference(0.0))
-        for phase, values in (("global", global_), ("momentum", momentum)):
+        agreed_norm, reference = tensors_norm(global_.values()), self.history[fragment].reference(0.0)
+        for phase, values, path in (("global", global_, apart[0]), ("momentum", momentum, apart[1])):
+            bound = consensus_bound(agreed_norm, reference, path)
             gathered, averaged = await self._allreduce(
                 fragment, round_group_bits(round_, phase), expected, values, weight=STALE_WEIGHT if stale else 1.0,
                 gather={"round": round_, "phase": phase}, compression=self.codec,

@@ -7,6 +7,7 @@ No clocks, no sockets: the node decides when to call `contribution` and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, get_args
 
@@ -109,6 +110,12 @@ class FragmentCounters:
     """The last round applied to this fragment."""
     tokens_since_sync: int = 0
     syncs: dict[str, int] = dataclasses.field(default_factory=dict)
+    apart: float = 0.0
+    """How far the agreed values travelled (sum of the norms of their changes) in rounds this island
+    applied alone since its bases last agreed with other islands': a partition, rejected rounds.
+    Two honest islands can be at most their two paths apart (see validation.consensus_bound)."""
+    apart_momentum: float = 0.0
+    """The same for the outer momentum."""
 
 
 class StreamingDiLoCo:
@@ -157,15 +164,25 @@ class StreamingDiLoCo:
 
     def apply(
         self, fragment: int, round_: int | None, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
-        mix_local: bool = True,
+        mix_local: bool = True, alone: bool = False,
     ) -> None:
         """Outer step on global_p with the averaged delta, then mix local_p towards it (in place).
 
         `mix_local=False` leaves local_p alone (a stale member mixes after its base was replaced);
-        `round_=None` leaves the fragment's round as it was (its base is still not the swarm's)."""
+        `round_=None` leaves the fragment's round as it was (its base is still not the swarm's);
+        `alone`: no other island applies this update (a solo, failed or rejected round), so it
+        counts towards how far this island may have drifted from the others (`apart`)."""
         cfg, g, m = self.cfg, self.globals[fragment], self.momentum[fragment]
+        moved = moved_momentum = 0.0
         for n in self.layout[fragment]:
-            g[n], m[n] = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
+            new_g, new_m = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
+            if alone:
+                moved += float((new_g - g[n]).double().pow(2).sum())
+                moved_momentum += float((new_m - m[n]).double().pow(2).sum())
+            g[n], m[n] = new_g, new_m
+        if alone:
+            self.counters[fragment].apart += math.sqrt(moved)
+            self.counters[fragment].apart_momentum += math.sqrt(moved_momentum)
         if mix_local:
             self.mix_local(fragment, params)
         if round_ is not None:
@@ -186,9 +203,15 @@ class StreamingDiLoCo:
         for n in self.layout[fragment]:
             self.globals[fragment][n] = global_[n].to(torch.float32).clone()
             self.momentum[fragment][n] = momentum[n].to(torch.float32).clone()
+        self.settled(fragment)
         if round_ is not None:
             self.counters[fragment].round = round_
             self.counters[fragment].tokens_since_sync = 0
+
+    def settled(self, fragment: int) -> None:
+        """This fragment's agreed values are the same as other islands' again (a round whose members'
+        fingerprints agreed, a consensus, a download): nothing applied alone is left between them."""
+        self.counters[fragment].apart = self.counters[fragment].apart_momentum = 0.0
 
     def fragment_state(self, fragment: int) -> tuple[int, list[torch.Tensor]]:
         """(last applied round, agreed values then momentum in layout order): what a joiner downloads."""

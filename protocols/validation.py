@@ -91,14 +91,20 @@ def check_update(
     return None, norm
 
 
-def consensus_bound(agreed_norm: float, update_reference: float) -> float:
+def consensus_bound(agreed_norm: float, update_reference: float, apart: float = 0.0) -> float:
     """How far a consensus re-average may move this island's agreed values (or momentum):
-    `DRIFT_RATIO` of their norm, or `NORM_RATIO` typical accepted updates, whichever is more.
+    `DRIFT_RATIO` of their norm, `NORM_RATIO` typical accepted updates, or `NORM_RATIO` times
+    `apart`, whichever is more.
 
     Honest islands drift apart by the updates they applied separately (a rejected round,
-    a partition), so the bound follows the update scale; a member that sends values from
-    nowhere near the swarm's moves the average much further."""
-    return max(DRIFT_RATIO * agreed_norm, NORM_RATIO * update_reference)
+    a partition), so the bound follows the update scale. `apart` is the path this island's
+    values travelled alone since they last agreed with others' (DiLoCo's `apart`): after a
+    partition of many rounds, two sides are at most their two paths apart, and a consensus of
+    n members moves this island by (n-1)/n of its distance to the others' mean, so an honest
+    other side whose path is up to about 2 * NORM_RATIO - 1 times this island's is accepted.
+    A member that sends values from nowhere near the swarm's moves the average much further;
+    what an island that was cut off for long cannot tell is a poisoner within its path's reach."""
+    return max(DRIFT_RATIO * agreed_norm, NORM_RATIO * update_reference, NORM_RATIO * apart)
 
 
 def flatten(values: Iterable[torch.Tensor]) -> torch.Tensor:

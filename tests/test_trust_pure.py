@@ -160,6 +160,34 @@ def test_consensus_may_move_values_by_a_few_updates_but_not_further():
     assert "non-finite" in check_consensus(_t(math.nan), own, bound)
 
 
+def test_after_a_partition_the_consensus_bound_covers_both_sides_paths_and_resets_once_agreed():
+    from islands.protocols.diloco import DiLoCoConfig, StreamingDiLoCo
+    from islands.protocols.validation import tensors_norm
+
+    torch.manual_seed(0)
+    params = {"w": torch.randn(64, 8), "b": torch.randn(8)}
+    cfg = DiLoCoConfig(window=8, fragments=1, overlap=0, outer_lr=0.7, outer_momentum=0.9)
+    a, b = (StreamingDiLoCo(cfg, [list(params)], params) for _ in range(2))
+    for d in (a, b):  # both sides apply 12 rounds alone, each its own updates
+        for r in range(1, 13):
+            d.apply(0, r, {n: 0.05 * torch.randn_like(t) for n, t in params.items()}, {}, mix_local=False, alone=True)
+    apart = a.counters[0].apart
+    assert apart > 0 and a.counters[0].apart_momentum > 0
+    gap = tensors_norm(a.globals[0][n] - b.globals[0][n] for n in params)
+    assert gap <= apart + b.counters[0].apart
+    # the consensus of the two moves each by half the gap: more than the bound without the path
+    mean = {n: (a.globals[0][n] + b.globals[0][n]) / 2 for n in params}
+    reference = 0.05 * math.sqrt(sum(t.numel() for t in params.values()))
+    without = consensus_bound(tensors_norm(a.globals[0].values()), reference)
+    assert check_consensus(mean, a.globals[0], without) is not None
+    assert check_consensus(mean, a.globals[0], consensus_bound(tensors_norm(a.globals[0].values()), reference, apart)) is None
+    a.replace(0, mean, a.momentum[0])
+    b.settled(0)
+    assert a.counters[0].apart == b.counters[0].apart == 0 == a.counters[0].apart_momentum
+    a.apply(0, 13, {n: torch.ones_like(t) for n, t in params.items()}, {}, mix_local=False)
+    assert a.counters[0].apart == 0  # an averaged round is applied by every member
+
+
 def test_a_spoiled_part_is_blamed_on_its_reducer():
     torch.manual_seed(0)
     own = torch.randn(300)
