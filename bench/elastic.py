@@ -7,8 +7,9 @@ Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/pro
 1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; B is
    SIGKILLed one step into a round after step 100.
 2. satellite: 3 islands with and without a satellite `up 10s every 30s` (240 steps);
-3. the same with the satellite over its own link: every island behind a `lan` relay that gives
-   connections from the satellite's address (it listens on 127.0.0.2) the `satellite` profile.
+3. the same with every island behind a `lan` relay that gives connections from the satellite's
+   address (it listens on 127.0.0.2) the `satellite` profile: without, then with the satellite
+   on its own link.
 """
 
 from __future__ import annotations
@@ -103,7 +104,13 @@ def satellite(root: Path, with_satellite: bool, link: bool = False) -> dict:
                 {"step": s["step"], "group_size": s["group_size"], "staleness": s["staleness"], "weight": s["weight"], "policy": s["policy"]}
                 for s in ss if s["outcome"] == "ok"
             ]
-            out["island_rounds_with_satellite"] = sum(s["group_size"] == 4 for s in island_syncs)
+            out["satellite_deposit_seconds_median"] = _median([s["seconds"] for s in ss if s["outcome"] == "ok"])
+            out["satellite_bytes_sent_per_deposit"] = _median([s["bytes_sent"] for s in ss if s["outcome"] == "ok"])
+            out["satellite_bytes_recv_per_deposit"] = _median([s["bytes_recv"] for s in ss if s["outcome"] == "ok"])
+            carried = [s for s in island_syncs if s.get("deposits")]
+            out["island_rounds_carrying_deposits"] = len(carried)
+            out["island_round_seconds_median_carrying_deposits"] = _median([s["seconds"] for s in carried if s["outcome"] == "ok"])
+            out["island_max_group_size"] = max(s["group_size"] for s in island_syncs)
         return out
     finally:
         nodes.stop()
@@ -115,9 +122,11 @@ def main() -> None:
         "crash": crash(root / "crash"),
         "without_satellite": satellite(root / "plain", False),
         "with_satellite": satellite(root / "sat", True),
+        "without_satellite_link": satellite(root / "linkplain", False, link=True),
         "with_satellite_link": satellite(root / "satlink", True, link=True),
     }
     c, w, wo = figures["crash"], figures["with_satellite"], figures["without_satellite"]
+    lw, lwo = figures["with_satellite_link"], figures["without_satellite_link"]
     print(table(
         [
             ["join: start to first ok sync", f"{c['join_seconds_start_to_first_ok_sync']} s"],
@@ -128,9 +137,12 @@ def main() -> None:
             ["island round s (median / p90), satellite", f"{w['island_round_seconds_median']} / {w['island_round_seconds_p90']}"],
             ["island ok share, no satellite / satellite", f"{wo['island_share_ok']} / {w['island_share_ok']}"],
             ["satellite syncs", str(w["satellite_outcomes"])],
-            ["satellite over its own link (islands behind relays): island round s (median / p90)",
-             f"{figures['with_satellite_link']['island_round_seconds_median']} / {figures['with_satellite_link']['island_round_seconds_p90']}"],
-            ["... satellite syncs", str(figures["with_satellite_link"]["satellite_outcomes"])],
+            ["island rounds carrying a deposit (their median s)", f"{w['island_rounds_carrying_deposits']} ({w['island_round_seconds_median_carrying_deposits']})"],
+            ["islands behind relays, no satellite: island round s (median / p90)", f"{lwo['island_round_seconds_median']} / {lwo['island_round_seconds_p90']}"],
+            ["... a satellite over its own link: island round s (median / p90)", f"{lw['island_round_seconds_median']} / {lw['island_round_seconds_p90']}"],
+            ["... satellite syncs", str(lw["satellite_outcomes"])],
+            ["... satellite deposit s (median), bytes sent / received per deposit",
+             f"{lw['satellite_deposit_seconds_median']}, {lw['satellite_bytes_sent_per_deposit']} / {lw['satellite_bytes_recv_per_deposit']}"],
         ],
         ["figure", "value"],
     ))

@@ -382,7 +382,7 @@ class Island:
                         if in_contact != was_in_contact:
                             was_in_contact = in_contact
                             events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(network.contact.remaining_s(), 3))
-                            if in_contact:  # tell the islands at once, so that they wait for this satellite
+                            if in_contact:  # publish its record and read the islands' at once
                                 refreshes.add(asyncio.ensure_future(network.refresh()))
                         if in_contact and sync.quiet:
                             step = self._align(step, network, events)
@@ -543,7 +543,7 @@ class Island:
         target = network.swarm_step()
         d = self.cfg.diloco
         # a little behind: its rounds start late but within the overlap; ahead by less than half
-        # a window: it waits for the islands' rounds as a follower. Otherwise move.
+        # a window: its round numbers are the islands' still. Otherwise move.
         if target is None or -d.tau <= step - target <= d.window // 2:
             return step
         target = min(target, self.cfg.train.steps)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,7 +127,9 @@ class Network:
             self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
             peer_progress=self.peer_progress, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
             follower=self.contact is not None, swarm_key=swarm_key, on_refused=self.refusals,
+            deposit_targets=self.deposit_targets,
         )
+        await self.averaging.open_deposits(self.dht.dht)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
 
@@ -259,8 +262,15 @@ class Network:
         return out
 
     def expected_group(self) -> int:
-        """Members a round waits for: this node, live islands, satellites in contact for a round more."""
-        return expected_group(self.peer_id, self.live(), dht_now(), self.round_budget_s)
+        """Members a round waits for: this node and the live islands (never a satellite)."""
+        return expected_group(self.peer_id, self.live())
+
+    def deposit_targets(self) -> list[str]:
+        """The training islands a satellite may deposit with, in the order to try: random, so that
+        satellites spread over the islands."""
+        islands = list(self._other_islands())
+        random.shuffle(islands)
+        return islands
 
     def swarm_step(self) -> int | None:
         """The furthest live island's step now, extrapolated from its record by its recent pace."""
@@ -320,6 +330,7 @@ class Network:
                 pass
         await self.withdraw()
         if self.averaging is not None:
+            await self.averaging.close_deposits()
             await asyncio.to_thread(self.averaging.shutdown)
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)

@@ -32,6 +32,8 @@ class Averager(Protocol):
 
     async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
 
+    def fold_deposits(self, contribution: Contribution) -> Contribution: ...
+
     async def consensus(
         self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False,
         apart: tuple[float, float] = (0.0, 0.0),
@@ -102,6 +104,8 @@ class FragmentSync:
             self._skipped_no_contact(fragment, round_, step)
             return
         c = await self._run_torch(self.diloco.contribution, fragment, round_, step, self.params)
+        if not self.diloco.satellite:  # what satellites deposited with this island counts in its round
+            c = await self._run_torch(self.averager.fold_deposits, c)
         task = asyncio.ensure_future(self.averager.average(c))
         self.pending[fragment] = Pending(c, step + self.diloco.cfg.tau, task, self._clock())
 
@@ -114,6 +118,7 @@ class FragmentSync:
                 "outcome": "skipped_no_contact", "policy": "accumulate", "group_size": 0,
                 "weight": 0.0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
                 "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None, "reason": None, "norm_ratio": None,
+                "deposits": 0,
             }
         )
 
@@ -130,7 +135,11 @@ class FragmentSync:
             logger.warning("fragment %d round %d failed: %r", fragment, c.round, e)
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         consensus = None
-        if result.outcome != "ok" and self.diloco.satellite:
+        if result.deposited_with is not None:
+            # a satellite's progress is with an island now: it takes the swarm's values as its base
+            policy = "deposited"
+            result.bytes_recv += await self._take_swarm(fragment, c)
+        elif result.outcome != "ok" and self.diloco.satellite:
             # a satellite does not apply its own update alone: it contributes it at its next round
             self.diloco.keep_accumulating(c)
             policy = "accumulate"
@@ -172,14 +181,40 @@ class FragmentSync:
                 "weight": c.weight,
                 "group_weight": result.weight,
                 "bytes_sent": result.bytes_sent,
-                "bytes_recv": result.bytes_recv,
+                "bytes_recv": result.bytes_recv + c.deposit_bytes,
                 "seconds": round(result.seconds, 6),
                 "staleness": result.staleness,
                 "consensus": consensus,
                 "reason": result.reason,
                 "norm_ratio": result.norm_ratio,
+                "deposits": c.deposits,
             }
         )
+
+    async def _take_swarm(self, fragment: int, c: Contribution) -> int:
+        """After a deposit: the fragment's agreed values, momentum and round from an island, then
+        mix; the bytes downloaded. If none came, the satellite's own values at the deposit become
+        its base, so that its next delta holds only what it trained since (the deposit counted the rest)."""
+        d = self.diloco
+        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
+        try:
+            if item is None:
+                raise ValueError("no state came")
+            meta, tensors = item
+            g, m = d.state_from_tensors(fragment, tensors)
+            donor_round = int(meta["round"])
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("fragment %d: no swarm state after a deposit (%s); own values are the base", fragment, e)
+            own = {n: d.globals[fragment][n] - c.delta[n] for n in c.delta}
+            await self._run_torch(d.replace, fragment, own, d.momentum[fragment])
+            return 0
+
+        def take() -> None:
+            d.replace(fragment, g, m, round_=donor_round)
+            d.mix_local(fragment, self.params)
+
+        await self._run_torch(take)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     async def _rebase(self, fragment: int, round_: int, avg_delta: dict) -> bool:
         """Download the fragment's agreed values, momentum and round from an island and bring them

@@ -42,11 +42,14 @@ from hivemind.utils.mpfuture import MPFuture
 from .admission import admission_tag, derive, tag_valid, untagged_members
 from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
 from .consensus import TOLERANCE, consensus_needed
+from .deposit import DepositBox
 from .diloco import Contribution, RoundResult
+from .outer import fold_deposits
 from .validation import (
     NormHistory,
     Reputation,
     check_consensus,
+    check_deposit,
     check_update,
     consensus_bound,
     flatten,
@@ -298,9 +301,10 @@ class FragmentAveraging:
         part_size_bytes: int = PART_SIZE_BYTES,
         swarm_key: bytes | None = None,
         on_refused: Callable[[str], None] | None = None,
+        deposit_targets: Callable[[], list[str]] | None = None,
     ):
-        """`follower` (satellites): join groups that islands lead, never lead one, reduce no part
-        (hivemind's client mode), and wait longer for the islands' round to begin (they never wait for it).
+        """`follower` (satellites): never a member of a round; `average` deposits the contribution with
+        one of `deposit_targets()` (islands, in the order to try) instead (deposit.py).
 
         `namespace`: the run's DHT prefix (admission.namespace); `swarm_key`: rounds admit only members
         that show a tag made with it; `on_refused(what)` hears of every join this island refuses."""
@@ -313,6 +317,10 @@ class FragmentAveraging:
         self.banned_events: list[str] = []
         """Peers banned since the caller last looked (it logs them)."""
         self.follower = follower
+        self.namespace = namespace
+        self.shapes = shapes
+        self.deposit_targets = deposit_targets or (lambda: [])
+        self.deposits: DepositBox | None = None
         self.peer_progress = peer_progress or (lambda fragment: [])
         self.refresh_peers = refresh_peers
         self._records_read: asyncio.Future | None = None
@@ -355,6 +363,55 @@ class FragmentAveraging:
             averager.on_refused = on_refused or (lambda what: None)
             averager.run_in_background(await_ready=True)
 
+    async def open_deposits(self, dht: DHT) -> None:
+        """Islands take satellites' deposits from now on; a satellite can send them."""
+        p2p = await dht.replicate_p2p()
+        self.deposits = DepositBox(
+            p2p, self.namespace, self.shapes, self.codec, self.round_key,
+            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()),
+        )
+        if not self.follower:
+            await self.deposits.open()
+
+    async def close_deposits(self) -> None:
+        if self.deposits is not None:
+            await self.deposits.close()
+
+    def fold_deposits(self, c: Contribution) -> Contribution:
+        """The contribution with the satellites' deposits for its fragment folded in (outer.fold_deposits);
+        a deposit whose check fails (validation.check_deposit) is dropped and logged."""
+        if self.deposits is None:
+            return c
+        kept = []
+        for d in self.deposits.take(c.fragment):
+            why = check_deposit(d.delta, c.delta, self.history[c.fragment], d.staleness)
+            if why is not None:
+                self.deposits.refused.append(f"deposit from {d.peer}: {why}")
+                logger.warning("fragment %d: dropped the deposit of %s: %s", c.fragment, d.peer, why)
+                continue
+            kept.append(d)
+        if not kept:
+            return c
+        delta, weight = fold_deposits(c.delta, c.weight, [(d.delta, d.weight) for d in kept])
+        return dataclasses.replace(c, delta=delta, weight=weight, deposits=len(kept), deposit_bytes=sum(d.nbytes for d in kept))
+
+    async def _deposit(self, c: Contribution) -> RoundResult:
+        """A satellite's round: its contribution deposited with the first island that takes it."""
+        started = time.monotonic()
+        for island in self.deposit_targets()[:2] if self.deposits is not None else []:
+            try:
+                sent = await self.deposits.send(
+                    island, c.fragment, c.round, c.delta, c.weight, c.staleness, timeout_s=self.timeouts.allreduce_s,
+                )
+            except Exception as e:  # noqa: BLE001 - refused, gone, timed out: try the next
+                logger.info("fragment %d: deposit with %s failed: %r", c.fragment, island, e)
+                continue
+            return RoundResult(
+                outcome="ok", delta=c.delta, group_size=2, weight=c.weight, bytes_sent=sent,
+                seconds=time.monotonic() - started, staleness=c.staleness, deposited_with=island,
+            )
+        return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=time.monotonic() - started)
+
     def prefetch(self) -> None:
         """Start reading the island records for a round about to start: over a long link the read
         takes a few round trips, which the round then does not wait for (see `_read_peers`)."""
@@ -380,9 +437,10 @@ class FragmentAveraging:
 
     async def average(self, contribution: Contribution) -> RoundResult:
         c = contribution
-        # read the records just before the round: a satellite whose window just opened, an
-        # island that left or went ahead, are then counted right
+        # read the records just before the round: an island that left or went ahead is then counted right
         await self._read_peers()
+        if self.follower:
+            return await self._deposit(c)
         expected = self.expected_group()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)

@@ -81,6 +81,9 @@ class Contribution:
     satellite out of contact): its base is not the swarm's (see outer.contribution_weight)."""
     tokens: int = 0
     """Tokens trained since the fragment's last contribution (a satellite gets them back if the round fails)."""
+    deposits: int = 0
+    """Satellites' deposits folded into `delta` and `weight` (averaging.fold_deposits)."""
+    deposit_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -102,6 +105,8 @@ class RoundResult:
     """Why a round was `rejected` (its result is then the island's own update)."""
     norm_ratio: float | None = None
     """Norm of the averaged update over the island's own (rounds that averaged)."""
+    deposited_with: str | None = None
+    """A satellite's round: the island that took its deposit."""
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -46,6 +46,19 @@ def weighted_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -
     for delta, w in zip(deltas, weights, strict=True):
         out.add_(delta, alpha=w / total)
     return out
+
+
+def fold_deposits(
+    delta: Mapping[str, torch.Tensor], weight: float, deposits: Sequence[tuple[Mapping[str, torch.Tensor], float]]
+) -> tuple[dict[str, torch.Tensor], float]:
+    """An island's contribution with satellites' deposited (delta, weight) pairs folded in: the
+    weighted mean of all of them, with their summed weight, so that in the round each counts as
+    if it had been a member itself. The island's own delta alone if all weights are zero."""
+    weights = [weight, *(w for _, w in deposits)]
+    total = float(sum(weights))
+    if not deposits or total <= 0:
+        return dict(delta), weight
+    return {n: weighted_average([delta[n], *(d[n] for d, _ in deposits)], weights) for n in delta}, total
 
 
 def nesterov_outer_step(

@@ -109,17 +109,11 @@ def redial_targets(
     return out
 
 
-def expected_group(me: str, records: Mapping[str, IslandRecord], now: float, margin_s: float) -> int:
-    """How many members a round of this island should wait for: itself, the other live
-    islands, and the satellites whose contact lasts at least margin_s more (islands never
-    wait for a satellite that may leave mid-round)."""
-    count = 1
-    for p, r in records.items():
-        if p == me:
-            continue
-        if r.role == "island" or (r.state == "training" and r.contact_until is not None and r.contact_until - now >= margin_s):
-            count += 1
-    return count
+def expected_group(me: str, records: Mapping[str, IslandRecord]) -> int:
+    """How many members a round of this island should wait for: itself and the other live
+    islands. Never a satellite: satellites deposit their progress with an island instead of
+    joining rounds (deposit.py), so islands never wait for one."""
+    return 1 + sum(1 for p, r in records.items() if p != me and r.role == "island")
 
 
 def choose_shard(me: str, records: Mapping[str, IslandRecord], num_shards: int) -> int:

@@ -91,6 +91,24 @@ def check_update(
     return None, norm
 
 
+def check_deposit(
+    deposit: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], history: NormHistory, staleness: int,
+    ratio: float = NORM_RATIO,
+) -> str | None:
+    """Why a satellite's deposited pseudo-gradient is refused, or None: not like `own` (names,
+    shapes, dtype, finite), or a norm above `ratio` times the reference (as check_update) times
+    1 + staleness: a satellite's delta is its progress over the 1 + staleness windows since its
+    base, about that many times an island's."""
+    why = problem(deposit, own)
+    if why is not None:
+        return why
+    norm = tensors_norm(deposit.values())
+    bound = ratio * (1 + max(0, staleness)) * history.reference(tensors_norm(own.values()))
+    if norm > bound:
+        return f"norm {norm:.4g} above {bound:.4g}"
+    return None
+
+
 def consensus_bound(agreed_norm: float, update_reference: float, apart: float = 0.0) -> float:
     """How far a consensus re-average may move this island's agreed values (or momentum):
     `DRIFT_RATIO` of their norm, `NORM_RATIO` typical accepted updates, or `NORM_RATIO` times

@@ -166,3 +166,60 @@ def test_a_reducer_that_spoils_its_part_is_found_and_banned(monkeypatch):
     finally:
         for thing in reversed(made):
             thing.shutdown()
+
+
+def test_a_satellite_deposits_with_an_island_which_folds_it_into_its_round():
+    """A satellite never joins a round: it streams its delta to an island, which counts it, with
+    its weight, in its own next contribution. Refused without the swarm's key, dropped if too large."""
+    made = []
+    try:
+        island_dht = SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        made.append(island_dht)
+        sat_dht = SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=island_dht.visible_maddrs())
+        made.append(sat_dht)
+        key = bytes(range(32))
+        island = FragmentAveraging(island_dht.dht, "t", SHAPES, "int8", lambda: 2, TIMEOUTS, swarm_key=key)
+        made.append(island)
+        sats = [
+            FragmentAveraging(
+                sat_dht.dht, "t", SHAPES, "int8", lambda: 2, TIMEOUTS, follower=True, swarm_key=k,
+                deposit_targets=lambda: [island.peer_id],
+            )
+            for k in (key, None)
+        ]
+        made.extend(sats)
+        torch.manual_seed(0)
+        sat_delta = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+
+        async def scenario():
+            for x in (island, *sats):
+                await x.open_deposits(island_dht.dht if x is island else sat_dht.dht)
+            try:
+                sent = _contribution(5, 0.0, 250.0)
+                sent.delta, sent.staleness = sat_delta, 2
+                keyed = await sats[0].average(sent)
+                stranger = await sats[1].average(sent)
+                own = _contribution(6, 1.0, 750.0)
+                folded = island.fold_deposits(own)
+                # a second deposit far larger than an island's update is dropped at the fold
+                sent.delta = {n: 1e4 * t for n, t in sat_delta.items()}
+                again = await sats[0].average(sent)
+                after = island.fold_deposits(own)
+                return keyed, stranger, own, folded, again, after
+            finally:
+                for x in (island, *sats):
+                    await x.close_deposits()
+
+        keyed, stranger, own, folded, again, after = asyncio.run(scenario())
+        assert keyed.outcome == "ok" and keyed.deposited_with == island.peer_id and keyed.bytes_sent > 0
+        # int8 on the wire: about a quarter of fp32
+        assert keyed.bytes_sent < 0.35 * (64 * 32 + 32) * 4
+        assert stranger.outcome == "failed" and stranger.deposited_with is None
+        assert folded.deposits == 1 and folded.weight == 1000.0 and folded.deposit_bytes > 0
+        expect = 0.75 * own.delta["w"] + 0.25 * sat_delta["w"]
+        assert (folded.delta["w"] - expect).abs().max() < 0.25 * 0.05
+        assert again.outcome == "ok" and after.deposits == 0 and torch.equal(after.delta["w"], own.delta["w"])
+        assert any("deposit" in why for why in island.deposits.refused)
+    finally:
+        for thing in reversed(made):
+            thing.shutdown()

@@ -262,3 +262,17 @@ def test_balance_fills_a_fast_islands_wait_with_micro_batches_never_past_the_med
     assert balance_accumulation(0.1, [], current=4) == 4 and balance_accumulation(0.0, [1.0], current=2) == 2
     assert balance_accumulation(0.11, [0.2], current=2) == 2  # 10% over: kept, no flip-flop
     assert balance_accumulation(0.15, [0.2], current=2) == 1  # 50% over: lowered
+
+
+def test_deposits_fold_into_a_contribution_as_members_would():
+    from islands.protocols.outer import fold_deposits
+
+    own = {"w": torch.full((3,), 1.0)}
+    sat = {"w": torch.full((3,), 5.0)}
+    delta, weight = fold_deposits(own, 300.0, [(sat, 100.0)])
+    assert weight == 400.0 and torch.allclose(delta["w"], torch.full((3,), 2.0))  # (300*1 + 100*5) / 400
+    # a stale island (weight 0) carries the satellite's delta with the satellite's weight
+    delta, weight = fold_deposits(own, 0.0, [(sat, 100.0)])
+    assert weight == 100.0 and torch.allclose(delta["w"], sat["w"])
+    assert fold_deposits(own, 0.0, [(sat, 0.0)])[0]["w"].equal(own["w"])
+    assert fold_deposits(own, 7.0, [])[1] == 7.0

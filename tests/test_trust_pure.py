@@ -27,6 +27,7 @@ from islands.protocols.validation import (
     NormHistory,
     Reputation,
     check_consensus,
+    check_deposit,
     check_update,
     consensus_bound,
     spoiled_spans,
@@ -219,3 +220,10 @@ def test_repeat_offenders_are_banned_for_a_while_and_trusted_peers_are_not_blame
     rep2.blame(["QmX"], ["QmX"], now=2)
     rep2.blame(["QmX"], ["QmX"], now=3)
     assert not rep2.is_banned("QmX", 4)
+
+
+def test_a_deposit_may_be_as_large_as_the_windows_it_covers_and_no_larger():
+    own, history = _t(1.0), NormHistory()
+    assert check_deposit(_t(NORM_RATIO * 3 * 0.99), own, history, staleness=2) is None
+    assert "norm" in check_deposit(_t(NORM_RATIO * 3 * 1.01), own, history, staleness=2)
+    assert "non-finite" in check_deposit(_t(math.nan), own, history, staleness=0)
