@@ -9,8 +9,8 @@ from collections.abc import Callable
 from islands.protocols.contact import ContactSchedule, parse_contact
 
 HANDSHAKE_S = 1.5
-"""A satellite joins rounds only this long after its window opens: its record (published at
-once) has reached the islands by then, so they wait for it instead of filling the group without it."""
+"""A satellite deposits only this long after its window opens: by then it has read the islands'
+records (whom to deposit with), which it reads at once when the window opens."""
 
 
 class ContactClock:

@@ -165,7 +165,7 @@ class Network:
 
     @property
     def round_budget_s(self) -> float:
-        """The contact a satellite needs left to take part in a round (islands stop counting it then)."""
+        """The contact a satellite needs left to start a round: deposit, then take the swarm's values."""
         return self.cfg.net.match_wait_s + 1.0
 
     def report(self) -> None:

@@ -91,7 +91,15 @@ class SwarmDHT:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     async def _call(self, fn, *args, **kwargs):
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout=DHT_TIMEOUT_S)
+        """One DHT call (get, store, run_coroutine), bounded. It is awaited as hivemind's future, not
+        run in a thread: a thread blocked on a call that the DHT's process never answers (it shut
+        down meanwhile) would keep the node from exiting (asyncio waits for its executor's threads)."""
+        future = fn(*args, return_future=True, **kwargs)
+        try:
+            return await asyncio.wait_for(future, timeout=DHT_TIMEOUT_S)
+        except BaseException:
+            future.cancel()
+            raise
 
     async def _signed(self, key: str) -> dict[str, Any]:
         """The values under `key` by the peer id of the island that signed each; others are counted."""
