@@ -6,7 +6,8 @@ and the islands' round times with and without a satellite.
 Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/procs.py):
 1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; B is
    SIGKILLed one step into a round after step 100.
-2. satellite: 3 islands with and without a satellite `up 10s every 30s` (240 steps);
+2. satellite: 3 islands without a satellite, with a 4th training process outside the swarm (the
+   CPU a satellite takes on this machine), and with a satellite `up 10s every 30s` (240 steps);
 3. the same with every island behind a `lan` relay that gives connections from the satellite's
    address (it listens on 127.0.0.2) the `satellite` profile: without, then with the satellite
    on its own link.
@@ -72,9 +73,12 @@ SATELLITE_SOURCE = "127.0.0.2"
 """The satellite listens (and so dials) from here; the islands' relays give it the satellite link."""
 
 
-def satellite(root: Path, with_satellite: bool, link: bool = False) -> dict:
+def satellite(root: Path, with_satellite: bool, link: bool = False, load: bool = False) -> dict:
     """With `link`: every island behind a `lan` relay that gives connections from the satellite's
-    address the `satellite` profile (300 ms one way, 10 Mbit/s): the satellite's own link."""
+    address the `satellite` profile (300 ms one way, 10 Mbit/s): the satellite's own link.
+    With `load` (and no satellite): a fourth training process that is not in the swarm (a solo
+    island of another run), to tell what a satellite costs the islands' rounds on these 2 cores
+    as one more process from what it costs as a peer."""
     nodes = Nodes(root)
     try:
         common = [*SCHEDULE, "--steps", "240", "--run-id", "bench-orbit"]
@@ -82,11 +86,19 @@ def satellite(root: Path, with_satellite: bool, link: bool = False) -> dict:
         a, join = nodes.first("a", [*common, "--wait-islands", "3"], relay)
         islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join], relay) for n in "bc"]
         sat = None
+        if load:
+            nodes.start("load", ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--steps", "240", "--run-id", "bench-elsewhere"])
         if with_satellite:
             sat_args = [*common, "--join", join, "--role", "satellite", "--contact", "up 10s every 30s"]
-            if link:  # only the satellite's address, so that its connections leave from it
-                sat_args[sat_args.index("--listen") + 1] = f"/ip4/{SATELLITE_SOURCE}/tcp/0"
-            sat = nodes.start("sat", sat_args)
+            if link:
+                # it listens on its own address only, so that its connections leave from it (the islands'
+                # relays give those the satellite link); connections to it cross its own relay, with the
+                # same link (its node keeps its contact windows)
+                i = sat_args.index("--listen")
+                del sat_args[i : i + 2]
+                sat = nodes.start("sat", sat_args, ["--profile", "satellite", "--contact", "always"], host=SATELLITE_SOURCE)
+            else:
+                sat = nodes.start("sat", sat_args)
         for node in islands + ([sat] if sat else []):
             node.wait_exit(300)
         island_syncs = [s for n in islands for s in n.of("sync")]
@@ -121,6 +133,7 @@ def main() -> None:
     figures = {
         "crash": crash(root / "crash"),
         "without_satellite": satellite(root / "plain", False),
+        "without_satellite_fourth_process": satellite(root / "load", False, load=True),
         "with_satellite": satellite(root / "sat", True),
         "without_satellite_link": satellite(root / "linkplain", False, link=True),
         "with_satellite_link": satellite(root / "satlink", True, link=True),
@@ -134,6 +147,8 @@ def main() -> None:
             ["crash mid-round: time lost by A", f"{c['crash_seconds_lost']} s over {c['crash_rounds_hit']} rounds ({', '.join(c['crash_outcomes'])})"],
             ["crash: until A and C average as a pair", f"{c['crash_seconds_until_pair_ok']} s"],
             ["island round s (median / p90), no satellite", f"{wo['island_round_seconds_median']} / {wo['island_round_seconds_p90']}"],
+            ["island round s (median / p90), no satellite, a 4th process outside the swarm",
+             f"{figures['without_satellite_fourth_process']['island_round_seconds_median']} / {figures['without_satellite_fourth_process']['island_round_seconds_p90']}"],
             ["island round s (median / p90), satellite", f"{w['island_round_seconds_median']} / {w['island_round_seconds_p90']}"],
             ["island ok share, no satellite / satellite", f"{wo['island_share_ok']} / {w['island_share_ok']}"],
             ["satellite syncs", str(w["satellite_outcomes"])],

@@ -77,7 +77,7 @@ def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
     nodes = Nodes(root)
     common = [*args.common, *args.schedule, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
               "--eval-every", str(args.steps // 10), "--compression", compression, "--wait-islands", "2",
-              "--run-id", f"bench-parity-{compression}"]
+              "--run-id", f"bench-parity-{compression}", *args.swarm_args.split()]
     relay = ["--profile", "lan"]
     try:
         a, join = nodes.first("a", common, relay)
@@ -124,6 +124,8 @@ def main() -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per run")
     p.add_argument("--run-dir", default="bench-runs/parity")
+    p.add_argument("--swarm-args", default="", help="more islands-node options for the swarm's islands, e.g. '--outer-lr 1 --alpha 0'")
+    p.add_argument("--no-solo", action="store_true", help="skip the solo run (its figures are then null)")
     args = p.parse_args()
     root = Path(args.run_dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -132,7 +134,7 @@ def main() -> None:
     params = _parameters(args.model)
     bytes_per_step_dp = allreduce_wire_bytes(params, 2, "none")  # a ring all-reduce sends what a butterfly does
     base = dp(root / "dp", args)
-    alone = solo(root / "solo", args)
+    alone = {"eval_loss": float("nan"), "local_eval_loss": float("nan"), "tokens": 0, "curve": []} if args.no_solo else solo(root / "solo", args)
     runs = {c: swarm(root / f"swarm-{c}", args, c) for c in args.compression}
     rows = [["dp", f"{base['eval_loss']:.4f}", "1.000", f"{bytes_per_step_dp / 1e3:.0f}", "-", "1", "-"],
             ["solo", f"{alone['eval_loss']:.4f}", f"{alone['eval_loss'] / base['eval_loss']:.3f}", "0", "-", "-", "-"]]
@@ -162,7 +164,7 @@ def main() -> None:
         "per_compression": per_compression, "parameters": params, "solo_local_eval_loss": round(alone["local_eval_loss"], 4),
         "tokens": {"dp": base["tokens"], "solo": alone["tokens"], **{f"swarm_{c}": r["tokens"] for c, r in runs.items()}},
         "config": {"steps": args.steps, "batch_size": args.batch_size, "window": args.window, "fragments": args.fragments,
-                   "model": args.model, "seq_len": SEQ_LEN, "islands": 2},
+                   "model": args.model, "seq_len": SEQ_LEN, "islands": 2, "swarm_args": args.swarm_args},
     })
     if args.out:
         series = {"data-parallel (batch 2x)": base["curve"], "solo island (2x steps)": alone["curve"]}

@@ -21,7 +21,7 @@ from islands.models.transformer import Transformer
 from islands.protocols.diloco import OUTCOMES, StreamingDiLoCo
 from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.manifest import build_manifest
-from islands.protocols.schedule import balance_accumulation, round_number
+from islands.protocols.schedule import balance_accumulation
 from islands.protocols.validation import BAN_S
 
 from . import checkpoint as ckpt_io
@@ -426,11 +426,11 @@ class Island:
             except RankFailure as e:  # a sharded island gathers the fragments it applies
                 reason, failed = f"rank failed: {e}", True
             if step >= cfg.train.steps and not failed and not satellite and network.expected_group() > 1:
-                # the islands end together: one last agreement on every fragment
-                verdicts, agree_bytes = await sync.agree(round_number(step, cfg.diloco.window) + 1)
+                # the islands end together: one last round of every fragment, healed where needed
+                last_rounds, verdicts, agree_bytes = await sync.agree(step)
                 totals["bytes_sent"] += agree_bytes
                 totals["bytes_recv"] += agree_bytes
-                events.emit("agree", step=step, fragments=verdicts, bytes_sent=agree_bytes)
+                events.emit("agree", step=step, last_rounds=last_rounds, fragments=verdicts, bytes_sent=agree_bytes)
             await network.withdraw()
             try:
                 path = await in_torch_thread(save)

@@ -265,17 +265,41 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
-    async def agree(self, round_: int) -> tuple[list[str], int]:
-        """At the end of a run: average every fragment's agreed values and momentum once more
-        (a consensus round keyed `round_`, which no training round uses), so that a round split
-        in the last window, with no later round to heal it, does not leave the islands apart.
-        Returns each fragment's verdict and the bytes sent (as many received)."""
-        verdicts, sent = [], 0
-        for p in range(self.diloco.cfg.fragments):
-            verdict, nbytes = await self._consensus(p, round_, stale=False)
+    async def agree(self, step: int) -> tuple[list[str], list[str], int]:
+        """At the end of a run: one last round of every fragment, with the progress since its last
+        round (up to a window of it, which the agreed model would otherwise lack), keyed by the
+        fragment's next round number, which no training round of this run uses. A fragment whose
+        last round did not leave the islands' agreed values the same (it failed, or their bases
+        differed: a round split in the last window, with no later round to heal it) then has its
+        agreed values and momentum averaged once more (a consensus round).
+        Returns each fragment's last-round outcome and verdict, and the bytes sent (as many received)."""
+        d = self.diloco
+        contributions = []
+        for p in range(d.cfg.fragments):
+            # it starts after the last step (a round that started at `step` is over): the others'
+            # records of their last rounds must not make it look already applied (FragmentAveraging.average)
+            c = await self._run_torch(d.contribution, p, d.counters[p].round + 1, step + 1, self.params)
+            contributions.append(await self._run_torch(self.averager.fold_deposits, c))
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.averager.average(c), timeout=self.round_timeout_s) for c in contributions),
+            return_exceptions=True,
+        )
+        outcomes, verdicts, sent = [], [], 0
+        for p, (c, result) in enumerate(zip(contributions, results, strict=True)):
+            if isinstance(result, BaseException):
+                logger.warning("fragment %d: last round failed: %r", p, result)
+                result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
+            await self._run_torch(d.apply, p, c.round, result.delta, self.params, True, result.outcome != "ok")
+            outcomes.append(result.outcome)
+            sent += result.bytes_sent
+            if result.outcome == "ok" and not result.consensus:
+                d.settled(p)
+                verdicts.append("ok")
+                continue
+            verdict, nbytes = await self._consensus(p, c.round, stale=False)
             verdicts.append(verdict)
             sent += nbytes
-        return verdicts, sent
+        return outcomes, verdicts, sent
 
     async def flush(self, step: int, budget_s: float | None = None) -> None:
         """Finish every round in flight now and apply it; with `budget_s` (leaving), rounds not

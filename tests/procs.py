@@ -117,13 +117,13 @@ class NodeProcess:
 class RelayProcess:
     """`islands-node relay` in front of a node: its port, and SIGSTOP/SIGCONT for a partition."""
 
-    def __init__(self, to_port: int, run_dir: Path, extra: list[str] | None = None):
+    def __init__(self, to_port: int, run_dir: Path, extra: list[str] | None = None, to_host: str = "127.0.0.1"):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = run_dir / "relay.port"
         self._stderr = open(run_dir / "relay.stderr", "ab")
         self.proc = subprocess.Popen(
-            [*NODE, "relay", "--to", f"127.0.0.1:{to_port}", "--port-file", str(port_file), *(extra or [])],
+            [*NODE, "relay", "--to", f"{to_host}:{to_port}", "--port-file", str(port_file), *(extra or [])],
             stdout=subprocess.DEVNULL, stderr=self._stderr, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         deadline = time.monotonic() + 30
@@ -165,14 +165,16 @@ class Nodes:
         self.started: list[NodeProcess] = []
         self.relays: list[RelayProcess] = []
 
-    def start(self, name: str, args: list[str], relay: list[str] | None = None, command: list[str] = NODE) -> NodeProcess:
-        """With `relay` (the relay's options), the node listens on a fresh port behind a relay and announces it;
-        `command`: what runs it (tests.hostile for a hostile peer)."""
+    def start(
+        self, name: str, args: list[str], relay: list[str] | None = None, command: list[str] = NODE, host: str = "127.0.0.1",
+    ) -> NodeProcess:
+        """With `relay` (the relay's options), the node listens on a fresh port of `host` behind a relay and
+        announces it; `command`: what runs it (tests.hostile for a hostile peer)."""
         if relay is not None:
             port = free_port()
-            link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")])
+            link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")], to_host=host)
             self.relays.append(link)
-            args = [*args, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", link.maddr]
+            args = [*args, "--listen", f"/ip4/{host}/tcp/{port}", "--announce", link.maddr]
         node = NodeProcess(args, self.root / name, name=name, command=command)
         node.t_start = time.time()
         self.started.append(node)

@@ -51,6 +51,9 @@ def test_three_mixed_islands_average_every_fragment_and_agree(nodes, tmp_path):
         assert len(ok3) >= 0.8 * len(syncs), [(s["outcome"], s["group_size"]) for s in syncs]
         # token weighting: a contribution weighs the tokens trained since the fragment's last sync
         assert all(s["weight"] == (s["step"] - (s["step"] - 20 if s["round"] > 1 else 0)) * batch * 128 for s in syncs)
+        # at the end, one last round of every fragment carries the progress since its last round
+        (agree,) = node.of("agree")
+        assert len(agree["last_rounds"]) == 4 and agree["bytes_sent"] > 0
     ga, gb, gc = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "abc")
     assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4
     swarm_eval = a.of("summary")[0]["eval_loss"]
