@@ -4,8 +4,8 @@ and the islands' round times with and without a satellite.
     python -m bench.elastic --out bench/results/elastic.json
 
 Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/procs.py):
-1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; B is
-   SIGKILLed one step into a round after step 100.
+1. crash: A and B (window 20, 4 fragments, 200 steps); C joins after A passes step 60; once C has
+   averaged, B is SIGKILLed one step into a round of fragment 1 after step 100.
 2. satellite: 3 islands without a satellite, with a 4th training process outside the swarm (the
    CPU a satellite takes on this machine), and with a satellite `up 10s every 30s` (240 steps);
 3. the same with every island behind a `lan` relay that gives connections from the satellite's
@@ -40,8 +40,13 @@ def crash(root: Path) -> dict:
         b = nodes.start("b", [*common, "--wait-islands", "2", "--join", join])
         a.wait_for(lambda e: e["event"] == "step" and e["step"] > 60, 120, "A past 60")
         c = nodes.start("c", [*common, "--join", join])
-        # mid-round: fragment 1's round starts at step 105 and is applied at 109
-        b.wait_for(lambda e: e["event"] == "step" and e["step"] >= 106, 180, "B inside a round")
+        # the crash alone: once C averages with the others (a join still under way when B dies makes
+        # the survivors wait for both: 29 s lost in one run where C's start took until step 103)
+        c.wait_for(lambda e: e["event"] == "sync" and e["outcome"] == "ok", 180, "C's first ok round")
+        # mid-round: fragment 1's rounds start at steps 5 mod 20 and are applied 4 steps later
+        now = max(b.steps())
+        at = max(106, now + 1 + (6 - (now + 1)) % 20)
+        b.wait_for(lambda e: e["event"] == "step" and e["step"] >= at, 180, "B inside a round")
         os.kill(b.proc.pid, signal.SIGKILL)
         killed_t = time.time()
         for node in (a, c):

@@ -107,6 +107,9 @@ class Network:
             self.dht = await asyncio.to_thread(
                 SwarmDHT.start, net.run_id, initial_peers=net.join, host_maddrs=net.listen,
                 announce_maddrs=net.announce, identity_path=self.identity_path,
+                # a satellite serves no DHT requests: in the islands' routing tables, its link would
+                # slow every lookup of theirs (bench.elastic, bench/README.md)
+                client_mode=self.contact is not None,
                 swarm_key=swarm_key, on_refused=self.refusals,
             )
         except IdentityError as e:

@@ -268,7 +268,8 @@ class FragmentSync:
     async def agree(self, step: int) -> tuple[list[str], list[str], int]:
         """At the end of a run: one last round of every fragment, with the progress since its last
         round (up to a window of it, which the agreed model would otherwise lack), keyed by the
-        fragment's next round number, which no training round of this run uses. A fragment whose
+        fragment's next round number, which no training round of this run uses; its result is
+        applied without an outer step (StreamingDiLoCo.apply_last). A fragment whose
         last round did not leave the islands' agreed values the same (it failed, or their bases
         differed: a round split in the last window, with no later round to heal it) then has its
         agreed values and momentum averaged once more (a consensus round).
@@ -289,7 +290,7 @@ class FragmentSync:
             if isinstance(result, BaseException):
                 logger.warning("fragment %d: last round failed: %r", p, result)
                 result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
-            await self._run_torch(d.apply, p, c.round, result.delta, self.params, True, result.outcome != "ok")
+            await self._run_torch(d.apply_last, p, c.round, result.delta, result.outcome != "ok")
             outcomes.append(result.outcome)
             sent += result.bytes_sent
             if result.outcome == "ok" and not result.consensus:

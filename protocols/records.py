@@ -93,14 +93,15 @@ def redial_targets(
     known: Mapping[str, IslandRecord], now: float, me: str, join: Sequence[str] = (), forget_s: float = FORGET_S
 ) -> dict[str, list[str]]:
     """Peer id -> addresses of the peers to dial again if the DHT has lost them: those seen in
-    the last `forget_s` that did not withdraw, and the --join peers (`/.../p2p/<id>` addresses)."""
+    the last `forget_s` that did not withdraw, and the --join peers (`/.../p2p/<id>` addresses).
+    Never a satellite: its DHT is a client (it serves no one), so nobody dials it."""
     out: dict[str, list[str]] = {}
     for maddr in join:
         address, sep, peer = maddr.rpartition("/p2p/")
         if sep and peer and peer != me:
             out.setdefault(peer, []).append(address)
     for peer, r in known.items():
-        if peer == me:
+        if peer == me or r.role == "satellite":
             continue
         if r.state == "left":
             out.pop(peer, None)

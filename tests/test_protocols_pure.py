@@ -276,3 +276,24 @@ def test_deposits_fold_into_a_contribution_as_members_would():
     assert weight == 100.0 and torch.allclose(delta["w"], sat["w"])
     assert fold_deposits(own, 0.0, [(sat, 0.0)])[0]["w"].equal(own["w"])
     assert fold_deposits(own, 7.0, [])[1] == 7.0
+
+
+def test_the_last_round_makes_the_agreed_values_the_islands_mean_without_an_outer_step():
+    model = _toy_model()
+    params = dict(model.named_parameters())
+    names = list(params)
+    cfg = DiLoCoConfig(window=8, fragments=1, overlap=0, outer_lr=0.7, outer_momentum=0.9)
+    diloco = StreamingDiLoCo(cfg, [names], params)
+    diloco.momentum[0] = {n: torch.ones_like(t) for n, t in diloco.globals[0].items()}
+    g0 = {n: t.clone() for n, t in diloco.globals[0].items()}
+    other = {n: g0[n] + 0.3 for n in names}  # another island's local values
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.1)
+    mine = diloco.contribution(0, 5, 40, params).delta
+    avg = {n: (mine[n] + (g0[n] - other[n])) / 2 for n in names}
+    diloco.apply_last(0, 5, avg)
+    for n in names:
+        assert torch.allclose(diloco.globals[0][n], (params[n].detach() + other[n]) / 2, atol=1e-6)
+        assert torch.equal(diloco.momentum[0][n], torch.ones_like(g0[n]))
+    assert diloco.counters[0].round == 5

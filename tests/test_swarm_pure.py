@@ -59,6 +59,7 @@ def test_redial_targets_are_recent_peers_that_did_not_leave_and_join_peers():
         "b": _rec("b", time=100.0, maddrs=["/ip4/1.1.1.1/tcp/3"], state="left"),
         "c": _rec("c", time=100.0 - 700, maddrs=["/ip4/1.1.1.1/tcp/4"]),
         "d": _rec("d", time=100.0, maddrs=[]),
+        "sat": _rec("sat", time=100.0, maddrs=["/ip4/1.1.1.1/tcp/5"], role="satellite"),  # a DHT client: never dialled
     }
     join = ["/ip4/9.9.9.9/tcp/9/p2p/j", "/ip4/1.1.1.1/tcp/3/p2p/b", "/ip4/9.9.9.9/tcp/8"]
     targets = redial_targets(known, now=100.0, me="me", join=join)
