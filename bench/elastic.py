@@ -89,7 +89,9 @@ def satellite(root: Path, with_satellite: bool, link: bool = False, load: bool =
         common = [*SCHEDULE, "--steps", "240", "--run-id", "bench-orbit"]
         relay = ["--profile", "lan", "--from", f"{SATELLITE_SOURCE}=satellite"] if link else None
         a, join = nodes.first("a", [*common, "--wait-islands", "3"], relay)
-        islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join], relay) for n in "bc"]
+        # the satellite (or the load) starts next, and B and C once it is up, so that it is there
+        # before the islands begin: a satellite that arrives later first downloads the swarm's
+        # state, which over its link took 32 s for 18.2 MB, and then has few contact windows left
         sat = None
         if load:
             nodes.start("load", ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--steps", "240", "--run-id", "bench-elsewhere"])
@@ -104,6 +106,9 @@ def satellite(root: Path, with_satellite: bool, link: bool = False, load: bool =
                 sat = nodes.start("sat", sat_args, ["--profile", "satellite", "--contact", "always"], host=SATELLITE_SOURCE)
             else:
                 sat = nodes.start("sat", sat_args)
+        if sat is not None:  # up before B and C: A starts training only once they are
+            sat.wait_for(lambda e: e["event"] == "started", 120, "the satellite's start")
+        islands = [a] + [nodes.start(n, [*common, "--wait-islands", "3", "--join", join], relay) for n in "bc"]
         for node in islands + ([sat] if sat else []):
             node.wait_exit(300)
         island_syncs = [s for n in islands for s in n.of("sync")]
