@@ -22,6 +22,7 @@ from islands.protocols.records import (
     REFRESH_S,
     IslandRecord,
     choose_shard,
+    deposit_candidates,
     expected_group,
     live_records,
     redial_targets,
@@ -269,10 +270,12 @@ class Network:
         return expected_group(self.peer_id, self.live())
 
     def deposit_targets(self) -> list[str]:
-        """The training islands a satellite may deposit with, in the order to try: random, so that
-        satellites spread over the islands."""
-        islands = list(self._other_islands())
-        random.shuffle(islands)
+        """The islands a satellite may deposit with (records.deposit_candidates), in the order to try:
+        the live ones at random, so that satellites spread over the islands; else the most recent."""
+        live = self.live()
+        islands = deposit_candidates(self.peer_id, live, self.known, dht_now())
+        if any(p in live for p in islands):
+            random.shuffle(islands)
         return islands
 
     def swarm_step(self) -> int | None:

@@ -317,6 +317,7 @@ class FragmentAveraging:
         self.banned_events: list[str] = []
         """Peers banned since the caller last looked (it logs them)."""
         self.follower = follower
+        self.on_refused = on_refused or (lambda what: None)
         self.namespace = namespace
         self.shapes = shapes
         self.deposit_targets = deposit_targets or (lambda: [])
@@ -368,7 +369,7 @@ class FragmentAveraging:
         p2p = await dht.replicate_p2p()
         self.deposits = DepositBox(
             p2p, self.namespace, self.shapes, self.codec, self.round_key,
-            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()),
+            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused,
         )
         if not self.follower:
             await self.deposits.open()
@@ -386,7 +387,7 @@ class FragmentAveraging:
         for d in self.deposits.take(c.fragment):
             why = check_deposit(d.delta, c.delta, self.history[c.fragment], d.staleness)
             if why is not None:
-                self.deposits.refused.append(f"deposit from {d.peer}: {why}")
+                self.on_refused(f"deposit from {d.peer}: {why}")
                 logger.warning("fragment %d: dropped the deposit of %s: %s", c.fragment, d.peer, why)
                 continue
             kept.append(d)

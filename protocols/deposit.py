@@ -63,16 +63,17 @@ class DepositBox:
     def __init__(
         self, p2p: P2P, namespace: str, shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]], codec: CompressionBase,
         round_key: bytes | None = None, refuse_peer: Callable[[str], bool] = lambda peer: False,
+        on_refused: Callable[[str], None] = lambda what: None,
     ):
-        """`refuse_peer(peer)`: whether to refuse a deposit from this peer (banned)."""
+        """`refuse_peer(peer)`: whether to refuse a deposit from this peer (banned); `on_refused(what)`
+        hears of every deposit this island refuses."""
         self.p2p, self.namespace, self.codec, self.round_key = p2p, namespace, codec, round_key
         self.names = [[n for n, _ in frag] for frag in shapes]
         self.shapes = [dict(frag) for frag in shapes]
         self.refuse_peer = refuse_peer
         self.handler_name = f"{namespace}::deposit"
         self.inbox: list[list[Deposit]] = [[] for _ in shapes]
-        self.refused: list[str] = []
-        """Why deposits were refused since the caller last looked (it logs them)."""
+        self.on_refused = on_refused
         self._open = False
 
     async def open(self) -> None:
@@ -101,7 +102,7 @@ class DepositBox:
         try:
             deposit = await self._receive(peer, stream)
         except DepositRefused as e:
-            self.refused.append(f"deposit from {peer}: {e}")
+            self.on_refused(f"deposit from {peer}: {e}")
             logger.warning("refused a deposit from %s: %s", peer, e)
             return _answer(False, str(e))
         kept = self.inbox[deposit.fragment]

@@ -196,7 +196,7 @@ class StreamingDiLoCo:
     def apply_last(self, fragment: int, round_: int, avg_delta: Mapping[str, torch.Tensor], alone: bool = False) -> None:
         """The run's last round: global_p <- global_p - avg_delta, the islands' (token-weighted) mean
         local values when their bases agree. No outer step: its momentum would carry global_p past
-        where training ended (measured: bench.parity's agreed model 0.09 worse with it). The local
+        where training ended (bench.parity, int8: agreed eval_loss 2.2459 with it, 2.1345 without). The local
         values and the momentum stay as they are."""
         g = self.globals[fragment]
         moved = 0.0

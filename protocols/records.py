@@ -110,6 +110,19 @@ def redial_targets(
     return out
 
 
+def deposit_candidates(
+    me: str, live: Mapping[str, IslandRecord], known: Mapping[str, IslandRecord], now: float, forget_s: float = FORGET_S
+) -> list[str]:
+    """The islands a satellite may deposit with: the live training ones, or if it sees none (a
+    satellite's view is old by design: over its link a records read before a round often does not
+    finish in time), the training islands it saw in the last `forget_s`, most recent first."""
+    fresh = sorted(p for p, r in live.items() if p != me and r.role == "island" and r.state == "training")
+    if fresh:
+        return fresh
+    seen = [(r.time, p) for p, r in known.items() if p != me and r.role == "island" and r.state == "training" and now - r.time <= forget_s]
+    return [p for _, p in sorted(seen, reverse=True)]
+
+
 def expected_group(me: str, records: Mapping[str, IslandRecord]) -> int:
     """How many members a round of this island should wait for: itself and the other live
     islands. Never a satellite: satellites deposit their progress with an island instead of

@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {"asyncio", "hivemind", "socket", "islands.node", "uvloop"}
 # protocols/ modules that wrap hivemind (the network side of fragment averaging and state transfer)
-NETWORK_MODULES = {"averaging.py", "dht.py", "transfer.py", "authorizer.py", "signing.py"}
+NETWORK_MODULES = {"averaging.py", "dht.py", "transfer.py", "authorizer.py", "signing.py", "deposit.py"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -135,3 +135,16 @@ def test_islands_never_wait_for_satellites():
     # me, a and b: a satellite in contact deposits with an island instead of joining its round
     assert expected_group("me", records) == 3
     assert parse_island_record("s", {**GOOD, "contact_until": "soon"}) is None
+
+
+def test_a_satellite_deposits_with_live_islands_or_else_the_ones_it_saw_last():
+    from islands.protocols.records import deposit_candidates
+
+    live = {"a": _rec("a"), "b": _rec("b", state="starting"), "s": _rec("s", role="satellite")}
+    assert deposit_candidates("me", live, {}, now=100.0) == ["a"]
+    known = {
+        "a": _rec("a", time=60.0), "c": _rec("c", time=80.0), "gone": _rec("gone", time=90.0, state="left"),
+        "old": _rec("old", time=100.0 - 700), "s": _rec("s", role="satellite", time=95.0),
+    }
+    # out of contact the islands' records lapsed: the most recent training islands it saw
+    assert deposit_candidates("me", {}, known, now=100.0) == ["c", "a"]
