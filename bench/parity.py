@@ -15,7 +15,8 @@ a ring all-reduce of fp32 gradients sends per worker: 2 (n-1)/n * 4 bytes * para
 The swarm's are measured on the wire: each island sits behind a relay (`lan` profile) that
 counts every byte it forwards, DHT traffic, consensus rounds and the end-of-run agreement
 included; their sum over both relays, divided by islands and steps, is what one island sent per
-step. The agreement (about twice the model, once) is also reported apart: a long run amortizes it.
+step. The end-of-run agreement (a last round of every fragment: about the model once, more where
+the replicas need re-averaging) is also reported apart: a long run amortizes it.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
         "tokens": sum(s["tokens"] for s in summaries),
         "bytes_on_wire": wire,
         "bytes_per_step_measured": wire / 2 / args.steps,
-        # the run's one-off end: the final agreement round of every fragment (about twice the model)
+        # the run's one-off end: the last round of every fragment (about the model once)
         "bytes_end_agreement": sum(agreed) / 2,
         "bytes_per_step_training": (wire - sum(agreed)) / 2 / args.steps,
         "bytes_per_step_counted": statistics.mean(s["bytes_sent"] for s in summaries) / args.steps,
