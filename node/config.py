@@ -120,6 +120,10 @@ class NetConfig:
     wait_timeout_s: float = _opt(120.0, "give up waiting for --wait-islands after this long and train anyway", metavar="S")
     match_wait_s: float = _opt(5.0, "how long a round waits for the other islands before it runs with whoever came", metavar="S")
     leave_timeout_s: float = _opt(10.0, "on SIGINT/SIGTERM, rounds in flight get this long in all to finish, then are abandoned", metavar="S")
+    end_wait_s: float = _opt(
+        120.0, "at the end of the run, wait this long at most for the other islands to finish their steps, "
+        "then agree the model with those that have", metavar="S",
+    )
 
     def __post_init__(self):
         if not self.run_id or any(c.isspace() or c == ":" for c in self.run_id):
@@ -132,8 +136,8 @@ class NetConfig:
                     raise ValueError(f"{name} {maddr!r} is not a multiaddress (like /ip4/127.0.0.1/tcp/4000/p2p/Qm...)")
         if self.wait_islands < 1:
             raise ValueError(f"wait_islands must be >= 1, got {self.wait_islands}")
-        if self.wait_timeout_s < 0 or self.match_wait_s <= 0 or self.leave_timeout_s < 0:
-            raise ValueError("wait_timeout_s and leave_timeout_s must be >= 0, match_wait_s > 0")
+        if self.wait_timeout_s < 0 or self.match_wait_s <= 0 or self.leave_timeout_s < 0 or self.end_wait_s < 0:
+            raise ValueError("wait_timeout_s, leave_timeout_s and end_wait_s must be >= 0, match_wait_s > 0")
         if self.contact is not None:
             parse_contact(self.contact)  # ValueError names the spec and the accepted forms
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

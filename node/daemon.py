@@ -426,8 +426,12 @@ class Island:
             except RankFailure as e:  # a sharded island gathers the fragments it applies
                 reason, failed = f"rank failed: {e}", True
             if step >= cfg.train.steps and not failed and not satellite and network.expected_group() > 1:
-                # the islands end together: one last round of every fragment, healed where needed
-                last_rounds, verdicts, agree_bytes = await sync.agree(step)
+                # the islands end together: they wait for one another to finish, then run one last
+                # round of every fragment, healed where needed
+                ready = await network.wait_for_end(step, cfg.net.end_wait_s, shutdown.is_set, _Changed(
+                    lambda behind: progress.note(f"waiting up to {cfg.net.end_wait_s:g} s for {behind} island(s) to finish, to agree the model")
+                ))
+                last_rounds, verdicts, agree_bytes = await sync.agree(step, ready)
                 totals["bytes_sent"] += agree_bytes
                 totals["bytes_recv"] += agree_bytes
                 events.emit("agree", step=step, last_rounds=last_rounds, fragments=verdicts, bytes_sent=agree_bytes)

@@ -21,6 +21,7 @@ from islands.protocols.manifest import describe_differences, manifest_difference
 from islands.protocols.records import (
     REFRESH_S,
     IslandRecord,
+    arrival_s,
     choose_shard,
     deposit_candidates,
     expected_group,
@@ -129,7 +130,7 @@ class Network:
         self.averaging = FragmentAveraging(
             self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
             self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
-            peer_progress=self.peer_progress, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
+            peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
             follower=self.contact is not None, swarm_key=swarm_key, on_refused=self.refusals,
             deposit_targets=self.deposit_targets,
         )
@@ -265,6 +266,10 @@ class Network:
             out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
         return out
 
+    def arrival_s(self, step: int) -> float:
+        """How long until the last live, training island still short of `step` gets there (records.arrival_s)."""
+        return arrival_s(step, self._other_islands().values(), dht_now())
+
     def expected_group(self) -> int:
         """Members a round waits for: this node and the live islands (never a satellite)."""
         return expected_group(self.peer_id, self.live())
@@ -305,6 +310,20 @@ class Network:
             await self.refresh()
             seen = self.live_islands()
         return seen
+
+    async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
+        """At the end of the run: publish this island's last step, then wait (bounded) until every
+        other live, training island has reached `step` too, so that the last rounds (FragmentSync.agree)
+        find them all. The number of islands that have, this one included."""
+        await self.refresh()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            behind = [r for r in self._other_islands().values() if r.step < step]
+            if not behind or time.monotonic() >= deadline or shutdown():
+                return self.live_islands() - len(behind)
+            on_wait(len(behind))
+            await asyncio.sleep(0.5)
+            await self.read_peers(timeout_s=2.0)
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""

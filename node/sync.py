@@ -244,14 +244,14 @@ class FragmentSync:
         await self._run_torch(take)
         return True
 
-    async def _consensus(self, fragment: int, round_: int, stale: bool) -> tuple[str, int]:
+    async def _consensus(self, fragment: int, round_: int, stale: bool, wait_s: float | None = None) -> tuple[str, int]:
         """The group's agreed values disagreed: average them (and the outer momentum) once more."""
         d = self.diloco
         try:
             got = await asyncio.wait_for(
                 self.averager.consensus(
                     fragment, round_, d.globals[fragment], d.momentum[fragment], stale=stale,
-                    apart=(d.counters[fragment].apart, d.counters[fragment].apart_momentum),
+                    apart=(d.counters[fragment].apart, d.counters[fragment].apart_momentum), wait_s=wait_s,
                 ),
                 timeout=self.round_timeout_s,
             )
@@ -265,24 +265,29 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
-    async def agree(self, step: int) -> tuple[list[str], list[str], int]:
+    async def agree(self, step: int, ready: int | None = None) -> tuple[list[str], list[str], int]:
         """At the end of a run: one last round of every fragment, with the progress since its last
         round (up to a window of it, which the agreed model would otherwise lack), keyed by the
         fragment's next round number, which no training round of this run uses; its result is
-        applied without an outer step (StreamingDiLoCo.apply_last). A fragment whose
-        last round did not leave the islands' agreed values the same (it failed, or their bases
-        differed: a round split in the last window, with no later round to heal it) then has its
-        agreed values and momentum averaged once more (a consensus round).
+        applied without an outer step (StreamingDiLoCo.apply_last). The islands have waited for one
+        another to finish (Network.wait_for_end), so these rounds wait long for every live island
+        (AveragingTimeouts.end_wait_s) and start as soon as all are in. A fragment whose last round
+        did not leave every live island's agreed values the same (it failed, it missed an island,
+        or the members' bases differed) then has its agreed values and momentum averaged once
+        more (a consensus round), which the islands it missed run too. `ready`: how many islands,
+        this one included, had finished when it started (the group a last round should have).
         Returns each fragment's last-round outcome and verdict, and the bytes sent (as many received)."""
         d = self.diloco
+        wait_s = self.averager.timeouts.end_wait_s
         contributions = []
         for p in range(d.cfg.fragments):
             # it starts after the last step (a round that started at `step` is over): the others'
             # records of their last rounds must not make it look already applied (FragmentAveraging.average)
             c = await self._run_torch(d.contribution, p, d.counters[p].round + 1, step + 1, self.params)
             contributions.append(await self._run_torch(self.averager.fold_deposits, c))
+        expected = self.averager.expected_group() if ready is None else min(ready, self.averager.expected_group())
         results = await asyncio.gather(
-            *(asyncio.wait_for(self.averager.average(c), timeout=self.round_timeout_s) for c in contributions),
+            *(asyncio.wait_for(self.averager.average(c, wait_s=wait_s), timeout=self.round_timeout_s) for c in contributions),
             return_exceptions=True,
         )
         outcomes, verdicts, sent = [], [], 0
@@ -293,11 +298,11 @@ class FragmentSync:
             await self._run_torch(d.apply_last, p, c.round, result.delta, result.outcome != "ok")
             outcomes.append(result.outcome)
             sent += result.bytes_sent
-            if result.outcome == "ok" and not result.consensus:
+            if result.outcome == "ok" and not result.consensus and result.group_size >= expected:
                 d.settled(p)
                 verdicts.append("ok")
                 continue
-            verdict, nbytes = await self._consensus(p, c.round, stale=False)
+            verdict, nbytes = await self._consensus(p, c.round, stale=False, wait_s=wait_s)
             verdicts.append(verdict)
             sent += nbytes
         return outcomes, verdicts, sent

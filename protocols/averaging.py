@@ -168,6 +168,13 @@ class AveragingTimeouts:
     max_match_wait_s: float = 40.0
     """The longest a round waits for the others after rounds that found nobody."""
 
+    @property
+    def end_wait_s(self) -> float:
+        """The match wait of the end-of-run rounds (FragmentSync.agree). The islands waited for one
+        another to finish first, so a round fills (and starts) as soon as all are in; a long wait
+        costs only when one is missing, and a short one could leave a late island out for good."""
+        return min(self.max_match_wait_s, 4 * self.match_wait_s)
+
 
 def reducer_spans(tensors: Sequence[torch.Tensor], peer_fractions: Sequence[float], kwargs: dict) -> dict[int, list[list[int]]]:
     """Which elements of the flattened `tensors` each group member (by index) reduces in hivemind's
@@ -295,6 +302,7 @@ class FragmentAveraging:
         expected_group: Callable[[], int],
         timeouts: AveragingTimeouts = AveragingTimeouts(),
         peer_progress: Callable[[int], list[tuple[int, int]]] | None = None,
+        arrival: Callable[[int], float] | None = None,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
         overlap: int = 0,
         follower: bool = False,
@@ -323,6 +331,8 @@ class FragmentAveraging:
         self.deposit_targets = deposit_targets or (lambda: [])
         self.deposits: DepositBox | None = None
         self.peer_progress = peer_progress or (lambda fragment: [])
+        self.arrival = arrival or (lambda step: 0.0)
+        """Seconds until the last live island still short of a step gets there (records.arrival_s)."""
         self.refresh_peers = refresh_peers
         self._records_read: asyncio.Future | None = None
         self._records_read_started = float("-inf")
@@ -436,7 +446,8 @@ class FragmentAveraging:
         self._records_read_started = time.monotonic()
         self._records_read = asyncio.ensure_future(self.refresh_peers())
 
-    async def average(self, contribution: Contribution) -> RoundResult:
+    async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult:
+        """One round of the contribution's fragment; `wait_s`: match for at least that long."""
         c = contribution
         # read the records just before the round: an island that left or went ahead is then counted right
         await self._read_peers()
@@ -455,10 +466,13 @@ class FragmentAveraging:
         # outer.contribution_weight; hivemind needs a positive weight
         weight = max(c.weight, STALE_WEIGHT)
         own_norm = tensors_norm(c.delta.values())
+        # an island still training towards this round's step is waited for until it should be here
+        # (bounded): else the others, pairing up after the usual wait, leave it behind for good
+        wait_s = max(wait_s or 0.0, self.wait_s, min(self.timeouts.max_match_wait_s, self._base_wait_s + self.arrival(c.step)))
         gathered, delta = await self._allreduce(
             c.fragment, round_group_bits(c.round, "delta"), expected, c.delta, weight=weight,
             gather={"round": c.round, "step": c.step, "weight": weight, "fp": c.fingerprint, "stale": c.staleness, "norm": own_norm},
-            compression=self.codec,
+            compression=self.codec, wait_s=wait_s,
         )
         seconds = time.monotonic() - started
         if gathered is None:
@@ -541,7 +555,7 @@ class FragmentAveraging:
 
     async def consensus(
         self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
-        stale: bool = False, apart: tuple[float, float] = (0.0, 0.0),
+        stale: bool = False, apart: tuple[float, float] = (0.0, 0.0), wait_s: float | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
         """Average the agreed values and outer momentum themselves (equal weights; a stale member ~0).
 
@@ -561,7 +575,7 @@ class FragmentAveraging:
             bound = consensus_bound(agreed_norm, reference, path)
             gathered, averaged = await self._allreduce(
                 fragment, round_group_bits(round_, phase), expected, values, weight=STALE_WEIGHT if stale else 1.0,
-                gather={"round": round_, "phase": phase}, compression=self.codec,
+                gather={"round": round_, "phase": phase}, compression=self.codec, wait_s=wait_s,
             )
             if gathered is None or {m.get("round") for m in gathered.values()} != {round_}:
                 return None
@@ -580,16 +594,17 @@ class FragmentAveraging:
 
     async def _allreduce(
         self, fragment: int, group_bits: str, expected: int, values: dict[str, torch.Tensor], *,
-        weight: float, gather: dict, compression: CompressionBase,
+        weight: float, gather: dict, compression: CompressionBase, wait_s: float | None = None,
     ) -> tuple[dict | None, dict[str, torch.Tensor]]:
-        """One bounded all-reduce of `values` on this fragment's averager: (gathered metadata or None, result)."""
+        """One bounded all-reduce of `values` on this fragment's averager, matchmaking for `wait_s`
+        (the current match wait by default): (gathered metadata or None, result)."""
         averager, names = self.averagers[fragment], self.names[fragment]
         if self.round_key is not None:
             gather = {**gather, "auth": admission_tag(self.round_key, self.peer_id, self._group_key(fragment, group_bits))}
         await asyncio.to_thread(self._load, averager, names, values)
         banned = frozenset(self.reputation.banned(time.monotonic()))
         await asyncio.to_thread(averager.set_round, group_bits, expected, compression, banned)
-        wait_s = self.wait_s
+        wait_s = self.wait_s if wait_s is None else wait_s
         control = await asyncio.to_thread(
             averager.step, gather=gather, weight=max(weight, 1e-6), scheduled_time=get_dht_time() + wait_s,
             timeout=wait_s + 2 * self.timeouts.request_s, wait=False,

@@ -7,7 +7,7 @@ counted, never trusted and never a crash.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 RECORD_TTL_S = 20.0
@@ -107,6 +107,21 @@ def redial_targets(
             out.pop(peer, None)
         elif now - r.time <= forget_s and r.maddrs:
             out[peer] = [m.rpartition("/p2p/")[0] or m for m in r.maddrs]
+    return out
+
+
+def arrival_s(step: int, records: Iterable[IslandRecord], now: float) -> float:
+    """Seconds until the last of the islands still short of `step` gets there, each extrapolated
+    from its record (its step at the record's time, at its recent wall pace, stalls included); 0
+    when none is behind. A crashed island's record stops, so its estimate falls behind `now` and
+    it adds nothing: a round waits this long only for an island that is still training."""
+    out = 0.0
+    for r in records:
+        if r.step >= step:
+            continue
+        pace = r.batch_tokens / r.tokens_per_s if r.tokens_per_s > 0 and r.batch_tokens > 0 else r.step_seconds
+        if pace > 0:
+            out = max(out, r.time + (step - r.step) * pace - now)
     return out
 
 

@@ -179,10 +179,6 @@ def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_p
     assert tail and _nearly_all_pairs(tail), tail
 
 
-@pytest.mark.xfail(strict=False, reason="on 2 busy cores the slowest of the three islands can fall behind the other two for "
-                   "good (they average as a pair and never wait long enough for it); in one suite run it then missed their "
-                   "end-of-run agreement too and ended 0.19 apart. Rounds without an expected live island must grow the "
-                   "match wait as rounds that find nobody do (issue 4, left open)")
 def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, tmp_path):
     common = [*SCHEDULE, "--steps", "240", "--run-id", "orbit", "--match-wait-s", "3"]
     a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "3"])
@@ -204,10 +200,9 @@ def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, t
         assert all(s["group_size"] <= 3 for s in syncs), syncs  # a satellite is never a member of their rounds
         ok_shares.append(sum(s["outcome"] == "ok" for s in syncs) / len(syncs))
         folded += sum(s["deposits"] for s in syncs)
-    # the islands keep averaging. Not asked of all three: with four training processes on 2 cores the
-    # slowest island can fall behind the other two for good, and they average as a pair (seen in a
-    # suite run: 4 of 45 rounds ok for it; a known limit, not the satellite's doing)
-    assert sorted(ok_shares)[1] >= 0.8, ok_shares
+    # the islands keep averaging, all three: the slowest of them on 2 busy cores is waited for
+    # (records.arrival_s) instead of falling behind the other two for good
+    assert min(ok_shares) >= 0.8, ok_shares
     assert folded >= 1  # its progress reached the islands' rounds
     ga, gb, gc = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "abc")
     assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4

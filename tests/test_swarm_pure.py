@@ -148,3 +148,23 @@ def test_a_satellite_deposits_with_live_islands_or_else_the_ones_it_saw_last():
     }
     # out of contact the islands' records lapsed: the most recent training islands it saw
     assert deposit_candidates("me", {}, known, now=100.0) == ["c", "a"]
+
+
+def test_a_round_waits_for_an_island_still_training_towards_it_but_not_for_a_dead_one():
+    from islands.protocols.averaging import AveragingTimeouts
+    from islands.protocols.records import arrival_s
+
+    # 1024 tokens at 2048 tokens/s: 0.5 s a step, wall time
+    slow = _rec("slow", step=40, time=100.0, tokens_per_s=2048.0)
+    assert arrival_s(45, [slow], now=101.0) == 1.5  # at step 45 by 102.5
+    assert arrival_s(40, [slow], now=101.0) == 0.0  # already there
+    ahead = _rec("ahead", step=50, time=100.0)
+    assert arrival_s(45, [ahead, slow], now=101.0) == 1.5
+    # a crashed island's record stops at its last step and time: it is soon "due" in the past
+    assert arrival_s(45, [slow], now=110.0) == 0.0
+    # no pace yet: its compute step time stands in for it
+    fresh = _rec("fresh", step=0, time=100.0, tokens_per_s=0.0, step_seconds=0.25)
+    assert arrival_s(4, [fresh], now=100.0) == 1.0
+    # the end-of-run rounds wait for everyone (bounded)
+    assert AveragingTimeouts(match_wait_s=3.0).end_wait_s == 12.0
+    assert AveragingTimeouts(match_wait_s=30.0).end_wait_s == 40.0
