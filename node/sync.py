@@ -191,46 +191,48 @@ class FragmentSync:
             }
         )
 
+    async def _download(self, fragment: int) -> tuple[dict, dict, int, int] | str:
+        """The fragment's (agreed values, momentum, round, bytes) from the island of highest
+        priority that answers, or why none came."""
+        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
+        if item is None:
+            return "no state came"
+        meta, tensors = item
+        try:
+            g, m = self.diloco.state_from_tensors(fragment, tensors)
+            return g, m, int(meta["round"]), sum(t.numel() * t.element_size() for t in tensors)
+        except (ValueError, KeyError, TypeError) as e:
+            return f"the state from {meta.get('peer_id')} does not fit: {e}"
+
     async def _take_swarm(self, fragment: int, c: Contribution) -> int:
         """After a deposit: the fragment's agreed values, momentum and round from an island, then
         mix; the bytes downloaded. If none came, the satellite's own values at the deposit become
         its base, so that its next delta holds only what it trained since (the deposit counted the rest)."""
         d = self.diloco
-        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
-        try:
-            if item is None:
-                raise ValueError("no state came")
-            meta, tensors = item
-            g, m = d.state_from_tensors(fragment, tensors)
-            donor_round = int(meta["round"])
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("fragment %d: no swarm state after a deposit (%s); own values are the base", fragment, e)
+        got = await self._download(fragment)
+        if isinstance(got, str):
+            logger.warning("fragment %d: no swarm state after a deposit (%s); own values are the base", fragment, got)
             own = {n: d.globals[fragment][n] - c.delta[n] for n in c.delta}
             await self._run_torch(d.replace, fragment, own, d.momentum[fragment])
             return 0
+        g, m, donor_round, nbytes = got
 
         def take() -> None:
             d.replace(fragment, g, m, round_=donor_round)
             d.mix_local(fragment, self.params)
 
         await self._run_torch(take)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return nbytes
 
     async def _rebase(self, fragment: int, round_: int, avg_delta: dict) -> bool:
         """Download the fragment's agreed values, momentum and round from an island and bring them
         to round `round_` (applying the averaged delta if the donor has not yet); False if none came."""
         d = self.diloco
-        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
-        if item is None:
-            logger.warning("fragment %d round %d: no state to rebase on", fragment, round_)
+        got = await self._download(fragment)
+        if isinstance(got, str):
+            logger.warning("fragment %d round %d: no state to rebase on (%s)", fragment, round_, got)
             return False
-        meta, tensors = item
-        try:
-            g, m = d.state_from_tensors(fragment, tensors)
-            donor_round = int(meta["round"])
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("fragment %d: state from %s does not fit: %s", fragment, meta.get("peer_id"), e)
-            return False
+        g, m, donor_round, _ = got
         if donor_round < round_ - 1:
             logger.warning("fragment %d: donor at round %d, behind round %d", fragment, donor_round, round_)
             return False
