@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 ROUND_TIMEOUT_S = 150.0  # above the longest match wait (x2) plus the all-reduce timeout
 JOIN_TIMEOUT_S = 30.0
+END_COMPARE_TIMEOUT_S = 30.0  # at the end, how long an island waits for the others' fingerprints (each look)
 
 
 class StartupError(Exception):
@@ -431,7 +432,11 @@ class Island:
                 ready = await network.wait_for_end(step, cfg.net.end_wait_s, shutdown.is_set, _Changed(
                     lambda behind: progress.note(f"waiting up to {cfg.net.end_wait_s:g} s for {behind} island(s) to finish, to agree the model")
                 ))
-                last_rounds, verdicts, agree_bytes = await sync.agree(step, ready)
+
+                async def compare(look: int, fingerprints: list[list[float]]) -> list[list[list[float]]]:
+                    return await network.compare_final(look, fingerprints, ready, END_COMPARE_TIMEOUT_S)
+
+                last_rounds, verdicts, agree_bytes = await sync.agree(step, compare)
                 totals["bytes_sent"] += agree_bytes
                 totals["bytes_recv"] += agree_bytes
                 events.emit("agree", step=step, last_rounds=last_rounds, fragments=verdicts, bytes_sent=agree_bytes)

@@ -56,6 +56,8 @@ class Status:
     last_sync: list[dict] = dataclasses.field(default_factory=list)
     state: str = "starting"
     shard: int = -1
+    final: dict | None = None
+    """At the end of a run: what IslandRecord.final says."""
 
 
 class Network:
@@ -160,7 +162,7 @@ class Network:
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
             version=self.version, time=dht_now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
-            contact_until=self._contact_until(),
+            contact_until=self._contact_until(), final=s.final,
         )
 
     def _contact_until(self) -> float | None:
@@ -311,18 +313,35 @@ class Network:
             seen = self.live_islands()
         return seen
 
-    async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
+    async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> set[str]:
         """At the end of the run: publish this island's last step, then wait (bounded) until every
         other live, training island has reached `step` too, so that the last rounds (FragmentSync.agree)
-        find them all. The number of islands that have, this one included."""
+        find them all. The peer ids of the other islands that have."""
         await self.refresh()
         deadline = time.monotonic() + timeout_s
         while True:
-            behind = [r for r in self._other_islands().values() if r.step < step]
+            others = self._other_islands()
+            behind = [r for r in others.values() if r.step < step]
             if not behind or time.monotonic() >= deadline or shutdown():
-                return self.live_islands() - len(behind)
+                return {p for p, r in others.items() if r.step >= step}
             on_wait(len(behind))
             await asyncio.sleep(0.5)
+            await self.read_peers(timeout_s=2.0)
+
+    async def compare_final(self, check: int, fps: list[list[float]], peers: set[str], timeout_s: float) -> list[list[list[float]]]:
+        """Publish this island's fingerprints of its agreed fragments after its `check`-th look at the
+        end of the run, and read the others' (`peers`, those that finished with it) until each has
+        published its own for that look, has left, or `timeout_s` has passed: their fingerprints."""
+        self.status.final = {"check": check, "fp": fps}
+        await self.refresh()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = self.live()  # a withdrawn island's record still shows its last fingerprints
+            posted = {p: r.final for p, r in self.peers.items() if p in peers and r.final is not None and r.final["check"] >= check}
+            waiting = [p for p in peers if p in live and live[p].state != "left" and p not in posted]
+            if not waiting or time.monotonic() >= deadline:
+                return [f["fp"] for f in posted.values()]
+            await asyncio.sleep(0.3)
             await self.read_peers(timeout_s=2.0)
 
     def ahead(self) -> tuple[str, int] | None:

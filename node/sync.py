@@ -13,22 +13,31 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from islands.protocols.consensus import TOLERANCE, fragments_to_heal
 from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
 from islands.protocols.schedule import fragments_starting, next_sync_step, round_number
+
+if TYPE_CHECKING:
+    from islands.protocols.averaging import AveragingTimeouts
 
 logger = logging.getLogger(__name__)
 
 PREFETCH_STEPS = 3
 """A round's averager starts reading the island records this many steps before the round starts."""
+END_LOOKS = 3
+"""How many times at most the islands compare their agreed values at the end of a run (FragmentSync.agree)."""
 
 
 class Averager(Protocol):
     def prefetch(self) -> None: ...
 
-    async def average(self, contribution: Contribution) -> RoundResult: ...
+    compression: str
+    timeouts: AveragingTimeouts
+
+    async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult: ...
 
     async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
 
@@ -36,7 +45,7 @@ class Averager(Protocol):
 
     async def consensus(
         self, fragment: int, round_: int, global_: dict, momentum: dict, stale: bool = False,
-        apart: tuple[float, float] = (0.0, 0.0),
+        apart: tuple[float, float] = (0.0, 0.0), wait_s: float | None = None,
     ) -> tuple[dict, dict, int] | None: ...
 
 
@@ -267,18 +276,24 @@ class FragmentSync:
         logger.info("fragment %d round %d: agreed values re-averaged", fragment, round_)
         return "ok", sent
 
-    async def agree(self, step: int, ready: int | None = None) -> tuple[list[str], list[str], int]:
+    async def agree(
+        self, step: int, compare: Callable[[int, list[list[float]]], Awaitable[list[list[list[float]]]]] | None = None,
+    ) -> tuple[list[str], list[str], int]:
         """At the end of a run: one last round of every fragment, with the progress since its last
         round (up to a window of it, which the agreed model would otherwise lack), keyed by the
         fragment's next round number, which no training round of this run uses; its result is
         applied without an outer step (StreamingDiLoCo.apply_last). The islands have waited for one
         another to finish (Network.wait_for_end), so these rounds wait long for every live island
-        (AveragingTimeouts.end_wait_s) and start as soon as all are in. A fragment whose last round
-        did not leave every live island's agreed values the same (it failed, it missed an island,
-        or the members' bases differed) then has its agreed values and momentum averaged once
-        more (a consensus round), which the islands it missed run too. `ready`: how many islands,
-        this one included, had finished when it started (the group a last round should have).
-        Returns each fragment's last-round outcome and verdict, and the bytes sent (as many received)."""
+        (AveragingTimeouts.end_wait_s) and start as soon as all are in.
+
+        Then the islands compare their agreed values: `compare(n, fingerprints)` publishes this
+        island's fingerprint of each fragment (n-th look) and returns the other finished islands'.
+        A round can split (hivemind: one side `ok`, the other `failed`) and a member that thinks it
+        went well cannot tell, so which fragments to heal is decided from everyone's fingerprints,
+        alike on every island: those that differ have their agreed values and momentum averaged
+        once more (a consensus round), and the islands look again, END_LOOKS times at most.
+        Returns each fragment's last-round outcome and verdict (`ok`: the islands' agreed values
+        are the same; `failed`: they still differ), and the bytes sent (as many received)."""
         d = self.diloco
         wait_s = self.averager.timeouts.end_wait_s
         contributions = []
@@ -287,12 +302,11 @@ class FragmentSync:
             # records of their last rounds must not make it look already applied (FragmentAveraging.average)
             c = await self._run_torch(d.contribution, p, d.counters[p].round + 1, step + 1, self.params)
             contributions.append(await self._run_torch(self.averager.fold_deposits, c))
-        expected = self.averager.expected_group() if ready is None else min(ready, self.averager.expected_group())
         results = await asyncio.gather(
             *(asyncio.wait_for(self.averager.average(c, wait_s=wait_s), timeout=self.round_timeout_s) for c in contributions),
             return_exceptions=True,
         )
-        outcomes, verdicts, sent = [], [], 0
+        outcomes, sent = [], 0
         for p, (c, result) in enumerate(zip(contributions, results, strict=True)):
             if isinstance(result, BaseException):
                 logger.warning("fragment %d: last round failed: %r", p, result)
@@ -300,13 +314,24 @@ class FragmentSync:
             await self._run_torch(d.apply_last, p, c.round, result.delta, result.outcome != "ok")
             outcomes.append(result.outcome)
             sent += result.bytes_sent
-            if result.outcome == "ok" and not result.consensus and result.group_size >= expected:
+        verdicts = ["ok"] * d.cfg.fragments
+        tol = TOLERANCE[self.averager.compression]
+        for look in range(1, END_LOOKS + 1):
+            if compare is None:
+                break
+            mine = [await self._run_torch(d.agreed_fingerprint, p) for p in range(d.cfg.fragments)]
+            heal = fragments_to_heal(mine, await compare(look, mine), tol)
+            for p in range(d.cfg.fragments):
+                verdicts[p] = "failed" if p in heal else "ok"
+            if not heal or look == END_LOOKS:
+                break
+            logger.info("the islands' agreed values differ in fragments %s: averaging them once more", heal)
+            for p in heal:
+                _, nbytes = await self._consensus(p, contributions[p].round + look, stale=False, wait_s=wait_s)
+                sent += nbytes
+        for p, verdict in enumerate(verdicts):
+            if verdict == "ok" and compare is not None:
                 d.settled(p)
-                verdicts.append("ok")
-                continue
-            verdict, nbytes = await self._consensus(p, c.round, stale=False, wait_s=wait_s)
-            verdicts.append(verdict)
-            sent += nbytes
         return outcomes, verdicts, sent
 
     async def flush(self, step: int, budget_s: float | None = None) -> None:

@@ -44,3 +44,16 @@ def consensus_needed(fingerprints: Iterable[Sequence[float]], tol: float) -> boo
     """True if any two of the group's fingerprints disagree."""
     fps = list(fingerprints)
     return any(not fingerprints_agree(fps[0], f, tol) for f in fps[1:])
+
+
+def fragment_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """One fingerprint of a whole fragment (its tensors flattened into one): six numbers, small
+    enough to publish in an island record (records.IslandRecord.final)."""
+    return fingerprint([torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])])
+
+
+def fragments_to_heal(mine: Sequence[Sequence[float]], others: Iterable[Sequence[Sequence[float]]], tol: float) -> list[int]:
+    """The fragments whose fingerprints (one per fragment, from this island and each other island)
+    disagree anywhere. Every island that sees the same fingerprints gets the same list."""
+    others = [o for o in others if len(o) == len(mine)]
+    return [p for p, fp in enumerate(mine) if consensus_needed([fp, *(o[p] for o in others)], tol)]

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 import torch
 
 from . import PROTOCOL_VERSION
-from .consensus import fingerprint
+from .consensus import fingerprint, fragment_fingerprint
 from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
 from .schedule import check_schedule, default_overlap, fragment_offset
 
@@ -228,6 +228,10 @@ class StreamingDiLoCo:
         if round_ is not None:
             self.counters[fragment].round = round_
             self.counters[fragment].tokens_since_sync = 0
+
+    def agreed_fingerprint(self, fragment: int) -> list[float]:
+        """A fingerprint of this fragment's agreed values (consensus.fragment_fingerprint)."""
+        return fragment_fingerprint([self.globals[fragment][n] for n in self.layout[fragment]])
 
     def settled(self, fragment: int) -> None:
         """This fragment's agreed values are the same as other islands' again (a round whose members'

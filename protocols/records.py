@@ -38,6 +38,9 @@ class IslandRecord:
     shard: int = -1
     contact_until: float | None = None
     """A satellite in contact: the DHT time its contact window ends (None for islands, or out of contact)."""
+    final: dict | None = None
+    """At the end of a run (FragmentSync.agree): {"check": n, "fp": one fingerprint per fragment of
+    its agreed values} after its n-th look, so that every island decides alike which fragments to heal."""
 
     def to_value(self) -> dict:
         value = dataclasses.asdict(self)
@@ -66,12 +69,22 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
             maddrs=[str(m) for m in value.get("maddrs", [])],
             shard=int(value.get("shard", -1)),
             contact_until=None if value.get("contact_until") is None else float(value["contact_until"]),
+            final=_parse_final(value.get("final")),
         )
     except (KeyError, TypeError, ValueError):
         return None
     if record.role not in ("island", "satellite") or record.step < 0 or record.state not in ("starting", "training", "left"):
         return None
     return record
+
+
+def _parse_final(value: Any) -> dict | None:
+    """The `final` field (IslandRecord.final), or None; ValueError if malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("fp"), Sequence):
+        raise ValueError("final: not a mapping with fp")
+    return {"check": int(value["check"]), "fp": [[float(x) for x in fp] for fp in value["fp"]]}
 
 
 def live_records(records: Mapping[str, IslandRecord], now: float, ttl_s: float = LIVE_S) -> dict[str, IslandRecord]:

@@ -240,7 +240,7 @@ def test_blockwise_int8_round_trip_never_clips():
 
 
 def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
-    from islands.protocols.consensus import TOLERANCE, consensus_needed, fingerprint
+    from islands.protocols.consensus import TOLERANCE, consensus_needed, fingerprint, fragment_fingerprint
 
     torch.manual_seed(0)
     g = torch.randn(512, 256) * 0.05
@@ -250,6 +250,11 @@ def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
     tol = TOLERANCE["none"]
     assert not consensus_needed([fingerprint([g]), fingerprint([noisy])], tol)
     assert consensus_needed([fingerprint([g]), fingerprint([stale])], tol)
+    # one fingerprint of a whole fragment (the end-of-run check publishes it in the island record)
+    bias = torch.randn(256) * 0.05
+    assert len(fragment_fingerprint([g, bias])) == 6
+    assert not consensus_needed([fragment_fingerprint([g, bias]), fragment_fingerprint([noisy, bias])], tol)
+    assert consensus_needed([fragment_fingerprint([g, bias]), fragment_fingerprint([stale, bias])], tol)
 
 
 def test_balance_fills_a_fast_islands_wait_with_micro_batches_never_past_the_median():

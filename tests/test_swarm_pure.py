@@ -168,3 +168,68 @@ def test_a_round_waits_for_an_island_still_training_towards_it_but_not_for_a_dea
     # the end-of-run rounds wait for everyone (bounded)
     assert AveragingTimeouts(match_wait_s=3.0).end_wait_s == 12.0
     assert AveragingTimeouts(match_wait_s=30.0).end_wait_s == 40.0
+
+
+def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_them():
+    """A last round can split: this island got `ok`, another `failed` without its result. Only the
+    fingerprints the islands publish show it, so every island heals that fragment, then looks again."""
+    import asyncio
+
+    from islands.node.sync import FragmentSync
+    from islands.protocols.averaging import AveragingTimeouts
+    from islands.protocols.diloco import DiLoCoConfig, RoundResult, StreamingDiLoCo
+
+    from .test_protocols_pure import _toy_model
+
+    params = dict(_toy_model().named_parameters())
+    names = list(params)
+    diloco = StreamingDiLoCo(DiLoCoConfig(window=8, fragments=2, overlap=0), [names[:2], names[2:]], params)
+
+    class Averager:
+        compression, timeouts = "none", AveragingTimeouts(match_wait_s=3.0)
+        healed: list[tuple[int, int, float]] = []
+
+        def fold_deposits(self, c):
+            return c
+
+        async def average(self, c, wait_s=None):
+            return RoundResult(outcome="ok", delta=c.delta, group_size=2, weight=c.weight)
+
+        async def consensus(self, fragment, round_, global_, momentum, stale=False, apart=(0.0, 0.0), wait_s=None):
+            self.healed.append((fragment, round_, wait_s))
+            return {n: t + 0.0 for n, t in global_.items()}, momentum, 100
+
+    looks = []
+
+    async def compare(look, mine):
+        looks.append(look)
+        if look == 1:  # the other island's fragment 1 differs
+            return [[mine[0], [x + 1.0 for x in mine[1]]]]
+        return [mine]
+
+    async def run_torch(fn, *args):
+        return fn(*args)
+
+    averager = Averager()
+    sync = FragmentSync(diloco, averager, params, lambda record: None, 60.0, run_torch)
+    last_rounds, verdicts, sent = asyncio.run(sync.agree(40, compare))
+    assert last_rounds == ["ok", "ok"] and verdicts == ["ok", "ok"] and looks == [1, 2]
+    # fragment 1 only, in a consensus round of its own (after its last round, 1), waiting as long as the last rounds
+    assert averager.healed == [(1, 2, 12.0)] and sent == 100
+    # still different after every look: `failed`, and no more than END_LOOKS looks
+    averager.healed.clear()
+    looks.clear()
+
+    async def differ(look, mine):
+        looks.append(look)
+        return [[mine[0], [x + 1.0 for x in mine[1]]]]
+
+    assert asyncio.run(sync.agree(40, differ))[1] == ["ok", "failed"] and looks == [1, 2, 3] and len(averager.healed) == 2
+
+
+def test_an_island_record_carries_its_fingerprints_at_the_end():
+    r = _rec("a", final={"check": 2, "fp": [[1.0, 2.0], [3, 4]]})
+    assert r.final == {"check": 2, "fp": [[1.0, 2.0], [3.0, 4.0]]}
+    assert parse_island_record("a", {**GOOD, "final": {"check": 1}}) is None
+    assert parse_island_record("a", {**GOOD, "final": {"check": "x", "fp": []}}) is None
+    assert _rec("a").final is None
