@@ -240,7 +240,12 @@ def test_blockwise_int8_round_trip_never_clips():
 
 
 def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
-    from islands.protocols.consensus import TOLERANCE, consensus_needed, fingerprint, fragment_fingerprint
+    from islands.protocols.consensus import (
+        TOLERANCE,
+        consensus_needed,
+        fingerprint,
+        fragment_fingerprint,
+    )
 
     torch.manual_seed(0)
     g = torch.randn(512, 256) * 0.05
