@@ -233,3 +233,11 @@ def test_an_island_record_carries_its_fingerprints_at_the_end():
     assert parse_island_record("a", {**GOOD, "final": {"check": 1}}) is None
     assert parse_island_record("a", {**GOOD, "final": {"check": "x", "fp": []}}) is None
     assert _rec("a").final is None
+
+
+def test_a_consensus_round_never_sends_values_in_int8():
+    from islands.protocols.averaging import consensus_compression
+
+    assert consensus_compression("none") == "none"
+    assert consensus_compression("fp16") == "fp16"
+    assert consensus_compression("int8") == "fp16"
