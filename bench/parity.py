@@ -22,6 +22,7 @@ the replicas need re-averaging) is also reported apart: a long run amortizes it.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import shutil
 import statistics
 from pathlib import Path
@@ -134,8 +135,12 @@ def main() -> None:
     args.schedule = ["--window", str(args.window), "--fragments", str(args.fragments)]
     params = _parameters(args.model)
     bytes_per_step_dp = allreduce_wire_bytes(params, 2, "none")  # a ring all-reduce sends what a butterfly does
-    base = dp(root / "dp", args)
-    alone = {"eval_loss": float("nan"), "local_eval_loss": float("nan"), "tokens": 0, "curve": []} if args.no_solo else solo(root / "solo", args)
+    # dp and solo are one process each and measure quality, not speed: they run side by side
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        base_run = pool.submit(dp, root / "dp", args)
+        solo_run = None if args.no_solo else pool.submit(solo, root / "solo", args)
+        base = base_run.result()
+        alone = {"eval_loss": float("nan"), "local_eval_loss": float("nan"), "tokens": 0, "curve": []} if solo_run is None else solo_run.result()
     runs = {c: swarm(root / f"swarm-{c}", args, c) for c in args.compression}
     rows = [["dp", f"{base['eval_loss']:.4f}", "1.000", f"{bytes_per_step_dp / 1e3:.0f}", "-", "1", "-"],
             ["solo", f"{alone['eval_loss']:.4f}", f"{alone['eval_loss'] / base['eval_loss']:.3f}", "0", "-", "-", "-"]]
