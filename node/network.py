@@ -338,7 +338,7 @@ class Network:
         while True:
             live = self.live()  # a withdrawn island's record still shows its last fingerprints
             posted = {p: r.final for p, r in self.peers.items() if p in peers and r.final is not None and r.final["check"] >= check}
-            waiting = [p for p in peers if p in live and live[p].state != "left" and p not in posted]
+            waiting = [p for p in peers if p in live and p not in posted]
             if not waiting or time.monotonic() >= deadline:
                 return [f["fp"] for f in posted.values()]
             await asyncio.sleep(0.3)

@@ -277,7 +277,7 @@ class FragmentSync:
         return "ok", sent
 
     async def agree(
-        self, step: int, compare: Callable[[int, list[list[float]]], Awaitable[list[list[list[float]]]]] | None = None,
+        self, step: int, compare: Callable[[int, list[list[float]]], Awaitable[list[list[list[float]]]]],
     ) -> tuple[list[str], list[str], int]:
         """At the end of a run: one last round of every fragment, with the progress since its last
         round (up to a window of it, which the agreed model would otherwise lack), keyed by the
@@ -317,8 +317,6 @@ class FragmentSync:
         verdicts = ["ok"] * d.cfg.fragments
         tol = TOLERANCE[self.averager.compression]
         for look in range(1, END_LOOKS + 1):
-            if compare is None:
-                break
             mine = [await self._run_torch(d.agreed_fingerprint, p) for p in range(d.cfg.fragments)]
             heal = fragments_to_heal(mine, await compare(look, mine), tol)
             for p in range(d.cfg.fragments):
@@ -330,7 +328,7 @@ class FragmentSync:
                 _, nbytes = await self._consensus(p, contributions[p].round + look, stale=False, wait_s=wait_s)
                 sent += nbytes
         for p, verdict in enumerate(verdicts):
-            if verdict == "ok" and compare is not None:
+            if verdict == "ok":
                 d.settled(p)
         return outcomes, verdicts, sent
 
