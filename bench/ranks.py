@@ -11,15 +11,28 @@ Real `islands-node` processes on 127.0.0.1 (tests/procs.py):
 3. a mixed swarm: A with `--nproc 2` (DDP, then FSDP), B a single process (`--window 20 --fragments 4
    --steps 100 --batch-size 4`): syncs ok, agreement of the final agreed models, A's rank spread;
 4. A at batch 2 per rank with `--balance`, B at batch 64: what balance chose, and the islands' round times.
+
+    python -m bench.ranks --stress 50 [--jobs 2] [--hog 1] --out bench/results/ranks-stress.json
+
+runs only the sharded mixed swarm (A `--nproc 2 --parallel fsdp`, B a single process), N times, J
+of them at once (`--jobs`), optionally next to K busy processes (`--hog`), and counts the runs that
+failed and how:
+each island's exit status, each follower rank's, and the first lines of a crash's Python stacks
+from the rank's log.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import shutil
 import statistics
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
+from islands.node.ranks import rank_log_path
 from safetensors.torch import load_file
 
 from tests.procs import Nodes
@@ -112,8 +125,79 @@ def mixed(root: Path, a_batch: int, b_batch: int, balance: bool, parallel: str =
         nodes.stop()
 
 
+def stress_once(root: Path, parallel: str = "fsdp") -> dict:
+    """One run of the sharded mixed swarm (tests/test_ranks.py's): how each island and rank ended."""
+    nodes = Nodes(root)
+    started = time.monotonic()
+    try:
+        common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", f"stress-{root.name}", "--batch-size", "4"]
+        a, join = nodes.first("a", [*common, "--nproc", "2", "--parallel", parallel])
+        b = nodes.start("b", [*common, "--join", join])
+        codes = {n.run_dir.name: n.wait_exit(400) for n in (a, b)}
+        out = {"seconds": round(time.monotonic() - started, 1), "exit": codes, "ok": not any(codes.values())}
+        stopped = a.of("stopped")
+        out["a_stopped"] = stopped[0]["reason"][:200] if stopped else None
+        rank_log = rank_log_path(root / "a", 1).read_text(errors="replace")
+        crash = rank_log.find("Fatal Python error")
+        out["rank1_crash"] = rank_log[crash:crash + 1500] if crash >= 0 else None
+        out["rank_lines"] = [line for line in a.stderr().splitlines() if "exited with" in line]
+        out["ok"] = out["ok"] and crash < 0
+        return out
+    except (AssertionError, RuntimeError) as e:
+        return {"seconds": round(time.monotonic() - started, 1), "ok": False, "error": str(e)[-1500:]}
+    finally:
+        nodes.stop()
+
+
+def hogs(count: int) -> list[subprocess.Popen]:
+    """Busy processes that compete for the cores (a loaded machine)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stress(args, root: Path) -> None:
+    """--stress N: the sharded mixed swarm N times, `--jobs` of them at once, next to `--hog` busy processes."""
+    busy = hogs(args.hog)
+    runs: dict[int, dict] = {}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = stress_once(root / f"run{i}")
+        with lock:
+            runs[i] = r
+            print(f"run {i + 1} ({len(runs)}/{args.stress} done): {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s"
+                  + ("" if r["ok"] else f": {r.get('a_stopped') or r.get('error', '')[:300]}"), flush=True)
+            for line in r.get("rank_lines", []):
+                print(f"  {line}", flush=True)
+            if r.get("rank1_crash"):
+                print(r["rank1_crash"][:600], flush=True)
+        if r["ok"]:
+            shutil.rmtree(root / f"run{i}", ignore_errors=True)  # keep the failed runs' folders only
+
+    started = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(one, range(args.stress)))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    failed = sorted(i for i, r in runs.items() if not r["ok"])
+    print(table([[str(len(runs)), str(len(failed)), str(args.jobs), str(args.hog),
+                  f"{statistics.median(r['seconds'] for r in runs.values()):.0f} s", f"{time.monotonic() - started:.0f} s"]],
+                ["runs", "failed", "at once", "busy processes", "run (median)", "all"]))
+    write(args.out, {"stress": {"runs": len(runs), "failed": len(failed), "failed_runs": failed, "jobs": args.jobs, "hog": args.hog,
+                                "seconds": round(time.monotonic() - started), "details": [runs[i] for i in sorted(runs)]}})
+
+
 def main() -> None:
-    args, root = parse(__doc__, "bench-runs/ranks")
+    def extra(p) -> None:
+        p.add_argument("--stress", type=int, default=0, metavar="N", help="only the sharded mixed swarm, N times in a row")
+        p.add_argument("--jobs", type=int, default=1, metavar="J", help="with --stress: J swarms at once (a loaded machine)")
+        p.add_argument("--hog", type=int, default=0, metavar="K", help="with --stress: K busy processes alongside")
+
+    args, root = parse(__doc__, "bench-runs/ranks", extra)
+    if args.stress:
+        return stress(args, root)
     solo = [alone(root / "alone1", 1), alone(root / "alone2", 2), alone(root / "alone2-fsdp", 2, "fsdp")]
     print(table(
         [[f"{r['nproc']} {r['parallel']}", f"{r['step_seconds'] * 1000:.1f} ms", str(r["tokens_per_step"]), f"{r['tokens_per_s'] / 1000:.1f}k"] for r in solo],

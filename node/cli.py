@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -141,6 +142,9 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
     from .ranks import RankEnv, launch_workers, stop_workers
     from .supervise import start_watchdog
 
+    # a crash (SIGSEGV, SIGABRT, ...) leaves the Python stacks of every thread on stderr: a follower
+    # rank's stderr is its log (ranks.rank_log_path), rank 0 points there when a rank fails
+    faulthandler.enable(all_threads=True)
     try:
         ranks = RankEnv.from_environ(environ)
     except ValueError as e:
@@ -154,7 +158,7 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
     workers = []
     watchdog = start_watchdog()  # first: the workers join the node's process group and go with it
     if ranks is None and cfg.train.nproc > 1:
-        rank0, workers = launch_workers(argv, cfg.train.nproc, environ)
+        rank0, workers = launch_workers(argv, cfg.train.nproc, environ, cfg.output.run_dir)
         os.environ.update(rank0)  # torch.distributed's rendezvous reads MASTER_ADDR/PORT from here
         ranks = RankEnv.from_environ(rank0)
     elif ranks is not None:
@@ -178,7 +182,7 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
                 loop.add_signal_handler(sig, on_signal, sig)
 
         install_handlers()
-        island = Island(cfg, ranks)
+        island = Island(cfg, ranks, rank_logs=[w.log for w in workers])
         return await island.run(shutdown, announce=lambda line: print(line, flush=True), ready=install_handlers)
 
     try:

@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -125,9 +125,11 @@ def _new_totals() -> dict:
 
 
 class Island:
-    def __init__(self, cfg: Config, ranks: RankEnv | None = None):
-        """`ranks`: this node is rank 0 of an island of several data-parallel ranks (ranks.py)."""
+    def __init__(self, cfg: Config, ranks: RankEnv | None = None, rank_logs: Sequence[Path] = ()):
+        """`ranks`: this node is rank 0 of an island of several data-parallel ranks (ranks.py);
+        `rank_logs`: the other ranks' logs, where this node started them (--nproc)."""
         self.cfg = cfg
+        self.rank_logs = list(rank_logs)
         self.run_dir = Path(cfg.output.run_dir)
         # all torch work runs in one thread (see run); fix the thread count before any of it
         self.threads = cfg.train.torch_threads or torch.get_num_threads()
@@ -418,7 +420,7 @@ class Island:
                         metrics.on_network(**network.counts())
             except RankFailure as e:
                 reason, failed = f"rank failed: {e}", True
-                progress.note(f"stopping: {e}")
+                progress.note(f"stopping: {e}; {self._rank_logs_hint()}")
             if shutdown.is_set() and reason == "completed" and step < cfg.train.steps:
                 reason = shutdown.reason or "shutdown"
             # leaving on a signal: rounds in flight get a bounded time, then the swarm is told at once
@@ -535,6 +537,12 @@ class Island:
         events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
         progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
         return new_step
+
+    def _rank_logs_hint(self) -> str:
+        """Where to read why a rank failed (a crash leaves its Python stacks in its log)."""
+        if self.rank_logs:
+            return f"the other ranks' logs (a crashed rank's Python stacks are there): {', '.join(map(str, self.rank_logs))}"
+        return "see the other ranks' stderr (under torchrun: its --log-dir); a crashed rank's Python stacks are there"
 
     def _balance(self, trainer: Trainer, step: int, micro_s: float, peers: list[float], events: EventLog, progress: Progress) -> None:
         """--balance: as many micro-batches a step as make it take about the other islands' median step."""

@@ -136,18 +136,24 @@ def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tm
     assert _max_diff(ga, gb) < 1e-4
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_path, parallel):
+@pytest.mark.parametrize(("parallel", "sig"), [("ddp", signal.SIGKILL), ("fsdp", signal.SIGSEGV)])
+def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_path, parallel, sig):
     common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", "rank-crash", "--batch-size", "4", "--match-wait-s", "3"]
     maddr = tmp_path / "a.maddr"
     a = nodes([*common, "--nproc", "2", "--parallel", parallel, "--maddr-file", str(maddr)], tmp_path / "a", name="a")
     b = nodes([*common, "--join", a.wait_file(maddr, 90)], tmp_path / "b", name="b")
     a.wait_for(lambda e: e["event"] == "step" and e["step"] >= 25, 120, "A at step 25")
     worker = _rank_pids(a.proc.pid)[1]
-    os.kill(worker, signal.SIGKILL)
+    os.kill(worker, sig)
     assert a.wait_exit(60) == 1, a.stderr()
     stopped = a.of("stopped")[0]
     assert stopped["reason"].startswith("rank failed") and stopped["step"] < 100
+    # the rank's log tells its story, and rank 0 says where it is
+    log = tmp_path / "a" / "rank1.log"
+    assert f"rank 1 exited with signal {sig.name}; its log is {log}" in a.stderr_path.read_text()
+    if sig == signal.SIGSEGV:  # a crash leaves the Python stack of the rank's thread
+        text = log.read_text()
+        assert "Fatal Python error: Segmentation fault" in text and 'File "' in text and "in follow" in text, text[-3000:]
     assert (tmp_path / "a" / "checkpoint" / "state.json").exists()
     deadline = time.monotonic() + 15
     while _group(a.proc.pid) and time.monotonic() < deadline:  # nothing of A's left: no p2pd, no rank
