@@ -163,6 +163,8 @@ class RankGroup:
         """This rank's parameters once wrapped (sharded: DTensors holding this rank's shard)."""
         self.mirror: dict[str, torch.Tensor] = {}
         """Sharded, rank 0: the full CPU copy of every parameter (see ShardedParams)."""
+        self.model: torch.nn.Module | None = None
+        """Sharded: the model, FSDP2 modules from the root down."""
         self.gather_peak_bytes = 0
         """Sharded: the most bytes of gathered full tensors held at once on this rank's device."""
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -220,6 +222,7 @@ class RankGroup:
             fully_shard(model)
         self.params = dict(model.named_parameters())
         self.fresh = set(range(len(self.layout)))
+        self.model = model
         return model
 
     def fragment_bytes(self) -> int:
@@ -311,7 +314,15 @@ class RankGroup:
         """Rank 0, sharded: every rank runs `fn` (the evaluation) on the current parameters."""
         self.push()
         self._ints([EVAL, 0, 0, 0])
-        return self.guard(fn)
+        return self._sharded_evaluation(fn)
+
+    def _sharded_evaluation(self, fn):
+        """Every rank: run the evaluation, then reshard. FSDP2 keeps the root module's parameters
+        (embeddings, final norm, head) unsharded after a forward without backward, and its next
+        forward would use those copies: a fragment scattered in between would not reach it."""
+        value = self.guard(fn)
+        self.model.reshard()
+        return value
 
     def stop(self) -> float | None:
         """Rank 0: the others take the changed fragments and leave their loop; returns how far apart
@@ -385,7 +396,7 @@ class RankGroup:
                 for f in fragments:
                     self._gather(f)
             elif op == EVAL:
-                self.guard(evaluate)
+                self._sharded_evaluation(evaluate)
             else:  # STEP, SCATTER
                 self._send_fragments(fragments)
                 if op == STEP:

@@ -29,12 +29,19 @@ def test_rank_environment_and_fragment_masks():
 
 def _sharded_rank(rank: int, port: int, out: str) -> None:
     """One of two ranks of a sharded island: rank 0 reads a fragment through its full copy, writes
-    it, and the ranks' shards must then hold exactly that; the follower serves rank 0's orders."""
+    it, and the ranks' shards must then hold exactly that; the follower serves rank 0's orders.
+    Then rank 0 changes the head (a root parameter) between two evaluations: the second must see it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.manual_seed(0)
     model = Transformer(model_config("tiny"))
     layout = split_fragments(model.layer_groups(), 4)
     group = RankGroup(RankEnv(rank, 2, rank), torch.device("cpu"), layout, timeout_s=60, sharded=True)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    @torch.no_grad()
+    def loss() -> float:
+        return float(model(x, x)[1])
+
     try:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         group.wrap(model)
@@ -46,7 +53,7 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
             for p in group.params.values():
                 p.to_local().add_(1.0 + rank)
         names = layout[2]
-        read = None
+        read = losses = full = None
         if rank == 0:
             view = group.view({})
             read = {n: view[n].clone() for n in names}  # gathers fragment 2
@@ -54,12 +61,18 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
                 for n in names:
                     view[n].copy_(read[n] * 0.5)
             group.mark(2)
-            group.evaluate(lambda: 0.0)  # sends the changed fragment first
+            losses = [group.evaluate(loss)]  # sends the changed fragment first
+            with torch.no_grad():
+                view["head.weight"].mul_(3.0)
+            group.mark(layout.index(next(f for f in layout if "head.weight" in f)))
+            losses.append(group.evaluate(loss))
+            full = {n: view[n].clone() for n in view}
             group.stop()
         else:
-            assert group.next_step(evaluate=lambda: 0.0) is None
+            assert group.next_step(evaluate=loss) is None
         torch.save({"before": before, "read": read, "local": {n: group.params[n].to_local().clone() for n in names},
-                    "peak": group.gather_peak_bytes, "bytes": group.model_bytes()}, f"{out}/rank{rank}.pt")
+                    "peak": group.gather_peak_bytes, "bytes": group.model_bytes(), "losses": losses, "full": full},
+                   f"{out}/rank{rank}.pt")
     finally:
         group.close()
 
@@ -67,6 +80,15 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
 def test_a_sharded_island_gathers_and_scatters_a_fragment_exactly(tmp_path):
     mp.start_processes(_sharded_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    # an evaluation sees what rank 0 wrote before it, the root's parameters too (FSDP2 keeps them
+    # unsharded after a forward without backward): the same loss as the unsharded model's
+    plain = Transformer(model_config("tiny"))
+    plain.load_state_dict(r0["full"])
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected_loss = float(plain(x, x)[1])
+    assert r0["losses"][1] != r0["losses"][0]
+    assert abs(r0["losses"][1] - expected_loss) < 1e-5, (r0["losses"], expected_loss)
     for n, read in r0["read"].items():
         shards = [r["local"][n] for r in (r0, r1)]
         # what rank 0 read: every rank's moved shard, put together
