@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .config import ConfigError, add_arguments, build_config
 
@@ -154,7 +155,7 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
         # stopping the unit) must not take it out from under rank 0's graceful leave
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return follow(cfg, ranks)
+        end_follower(follow(cfg, ranks))
     workers = []
     watchdog = start_watchdog()  # first: the workers join the node's process group and go with it
     if ranks is None and cfg.train.nproc > 1:
@@ -192,6 +193,22 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
     finally:
         stop_workers(workers)
         watchdog.goodbye()
+
+
+def end_follower(status: int) -> NoReturn:
+    """A follower rank's last act: exit at once, without interpreter finalization. Its last collective
+    has just returned, and gloo's worker thread may still hold that collective's tensor: releasing it
+    frees a Python object, which takes the GIL, and a thread that takes the GIL while the interpreter
+    finalizes is made to exit in the middle of a C++ destructor: the process aborts ("terminate called
+    without an active exception", SIGABRT) or, later in finalization, crashes (SIGSEGV). A follower
+    holds no files and no network, so nothing is lost: its log is flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _event_loop_run(coro_fn) -> int:
