@@ -46,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -165,6 +166,8 @@ class RankGroup:
         """Sharded, rank 0: the full CPU copy of every parameter (see ShardedParams)."""
         self.model: torch.nn.Module | None = None
         """Sharded: the model, FSDP2 modules from the root down."""
+        self._thread: int | None = None
+        """The thread that drives the protocol (the first to send or receive an order)."""
         self.gather_peak_bytes = 0
         """Sharded: the most bytes of gathered full tensors held at once on this rank's device."""
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -186,8 +189,23 @@ class RankGroup:
         return tensor
 
     def _ints(self, values: Sequence[int]) -> list[int]:
+        """A control message (every order of the protocol starts with one)."""
+        self._check_thread()
         t = torch.tensor(list(values), dtype=torch.int64, device=self._ctl_device)
         return [int(x) for x in self._broadcast(t).tolist()]
+
+    def _check_thread(self) -> None:
+        """The protocol is driven from one thread (rank 0: the daemon's torch thread): a collective
+        issued from another thread meanwhile would interleave with its collectives on the group and
+        corrupt both. A second thread is a bug, and raises at once."""
+        me = threading.get_ident()
+        if self._thread is None:
+            self._thread = me
+        elif me != self._thread:
+            raise RuntimeError(
+                f"rank {self.rank}: the rank protocol was driven from thread {self._thread} and now from {me}; "
+                "every read of a sharded fragment and every order to the ranks must run in one thread"
+            )
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (every parameter broadcast from rank 0 as it is built). Experts that

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -25,6 +26,31 @@ def test_rank_environment_and_fragment_masks():
     with pytest.raises(ValueError):
         RankEnv.from_environ({"WORLD_SIZE": "2", "RANK": "5"})
     assert mask_fragments(fragment_mask({0, 3}), 4) == [0, 3] and mask_fragments(0, 4) == []
+
+
+def test_the_rank_protocol_refuses_a_second_thread(monkeypatch):
+    """A read of a sharded fragment from another thread would interleave its collectives with the
+    driving thread's: the protocol raises instead (a group of one rank, in this process)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    group = RankGroup(RankEnv(0, 1, 0), torch.device("cpu"), [["w"]], timeout_s=30)
+    try:
+        assert group._ints([7, 8]) == [7, 8]
+        errors = []
+
+        def elsewhere() -> None:
+            try:
+                group.pull(0)
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join(30)
+        assert errors and "must run in one thread" in errors[0]
+        assert group._ints([1]) == [1]  # the driving thread goes on
+    finally:
+        group.close()
 
 
 def _sharded_rank(rank: int, port: int, out: str) -> None:
@@ -158,7 +184,7 @@ def test_a_two_rank_island_and_a_single_process_island_train_one_model(nodes, tm
     assert _max_diff(ga, gb) < 1e-4
 
 
-@pytest.mark.parametrize(("parallel", "sig"), [("ddp", signal.SIGKILL), ("fsdp", signal.SIGSEGV)])
+@pytest.mark.parametrize(("parallel", "sig"), [("ddp", signal.SIGKILL), ("fsdp", signal.SIGSEGV)], ids=["ddp-sigkill", "fsdp-sigsegv"])
 def test_a_killed_rank_takes_its_island_down_and_the_other_goes_on(nodes, tmp_path, parallel, sig):
     common = [*SCHEDULE, "--steps", "100", "--wait-islands", "2", "--run-id", "rank-crash", "--batch-size", "4", "--match-wait-s", "3"]
     maddr = tmp_path / "a.maddr"
