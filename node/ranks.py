@@ -489,6 +489,12 @@ def exit_description(status: int) -> str:
         return f"signal {-status}"
 
 
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL}
+"""The signals on which faulthandler writes the Python stacks."""
+TAIL_LINES = 40
+"""How much of a rank's log rank 0 repeats when the rank exited badly."""
+
+
 def _tail(path: Path, num_lines: int) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -498,10 +504,9 @@ def _tail(path: Path, num_lines: int) -> str:
     return "\n".join("    " + line for line in lines[-num_lines:])
 
 
-def stop_workers(workers: Sequence[Worker], timeout_s: float = 10.0) -> list[str]:
-    """Wait for the followers to leave (killed after `timeout_s`); one line per rank that exited badly,
-    logged with the end of its log (a crash's Python stacks are there), and returned."""
-    bad = []
+def stop_workers(workers: Sequence[Worker], timeout_s: float = 10.0) -> None:
+    """Wait for the followers to leave (killed after `timeout_s`); a rank that exited badly is logged
+    with the end of its log (a crash's Python stacks are there)."""
     for w in workers:
         if w.proc.poll() is None:
             try:
@@ -513,12 +518,6 @@ def stop_workers(workers: Sequence[Worker], timeout_s: float = 10.0) -> list[str
                 continue
         if w.proc.returncode:
             line = f"rank {w.rank} exited with {exit_description(w.proc.returncode)}; its log is {w.log}"
-            if w.proc.returncode < 0:
+            if -w.proc.returncode in CRASH_SIGNALS:
                 line += " (the Python stacks of its threads at the crash are at its end)"
             logger.warning("%s; it ends:\n%s", line, _tail(w.log, TAIL_LINES))
-            bad.append(line)
-    return bad
-
-
-TAIL_LINES = 40
-"""How much of a rank's log rank 0 repeats when the rank exited badly."""

@@ -11,7 +11,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from islands.models.transformer import Transformer, model_config
-from islands.node.ranks import RankEnv, RankGroup, fragment_mask, free_port, mask_fragments
+from islands.node.ranks import (
+    RankEnv,
+    RankGroup,
+    Worker,
+    exit_description,
+    fragment_mask,
+    free_port,
+    mask_fragments,
+    rank_log_path,
+    stop_workers,
+)
 from islands.protocols.fragments import split_fragments
 from safetensors.torch import load_file
 
@@ -26,6 +36,18 @@ def test_rank_environment_and_fragment_masks():
     with pytest.raises(ValueError):
         RankEnv.from_environ({"WORLD_SIZE": "2", "RANK": "5"})
     assert mask_fragments(fragment_mask({0, 3}), 4) == [0, 3] and mask_fragments(0, 4) == []
+
+
+def test_a_rank_that_ended_badly_is_reported_with_its_log(tmp_path, caplog):
+    assert exit_description(1) == "status 1" and exit_description(-signal.SIGSEGV) == "signal SIGSEGV"
+    log = rank_log_path(tmp_path, 1)
+    log.write_text("--- rank 1 of 2\nFatal Python error: Segmentation fault\n  File \"x.py\", line 3 in f\nExtension modules: a, b\n")
+    crashed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    with caplog.at_level("WARNING"):
+        stop_workers([Worker(1, crashed, log)], timeout_s=30)
+    text = caplog.text
+    assert f"rank 1 exited with signal SIGSEGV; its log is {log} (the Python stacks" in text
+    assert 'File "x.py", line 3 in f' in text and "Extension modules" not in text
 
 
 def test_the_rank_protocol_refuses_a_second_thread(monkeypatch):
