@@ -143,9 +143,6 @@ def _run_node(cfg, argv: list[str], environ: dict) -> int:
     from .ranks import RankEnv, launch_workers, stop_workers
     from .supervise import start_watchdog
 
-    # a crash (SIGSEGV, SIGABRT, ...) leaves the Python stacks of every thread on stderr: a follower
-    # rank's stderr is its log (ranks.rank_log_path), rank 0 points there when a rank fails
-    faulthandler.enable(all_threads=True)
     try:
         ranks = RankEnv.from_environ(environ)
     except ValueError as e:
@@ -223,4 +220,8 @@ def _event_loop_run(coro_fn) -> int:
 
 
 def entry() -> None:
+    # a crash (SIGSEGV, SIGABRT, ...) leaves the Python stacks of every thread on stderr: a follower
+    # rank's stderr is its log (ranks.rank_log_path), rank 0 points there when a rank fails. In the
+    # process entry point only: main() also runs in-process, where stderr may have no descriptor.
+    faulthandler.enable(all_threads=True)
     sys.exit(main())
