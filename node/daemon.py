@@ -333,7 +333,8 @@ class Island:
         can_round = (lambda: network.contact.can_round(network.round_budget_s)) if satellite else None
         sync = FragmentSync(diloco, network.averaging, params, on_sync, ROUND_TIMEOUT_S, run_torch=in_torch_thread, can_round=can_round)
         was_in_contact = None
-        checkpoint_every = cfg.output.checkpoint_every or cfg.diloco.window
+        schedule = cfg.diloco.schedule
+        checkpoint_every = cfg.output.checkpoint_every or schedule.window
         last_checkpoint = start_step
         recent_losses: deque[float] = deque(maxlen=10)
         recent_rate: deque[tuple[float, int]] = deque(maxlen=20)
@@ -400,7 +401,7 @@ class Island:
                     events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
                     await sync.after_step(step, stats.tokens)
                     recent_seconds.append(stats.seconds / trainer.accum)
-                    if cfg.train.balance and step % cfg.diloco.window == 0:
+                    if cfg.train.balance and schedule.ends_window(step):
                         self._balance(trainer, step, statistics.median(recent_seconds), network.peer_step_seconds(), events, progress)
                         network.status.batch_tokens = cfg.train.batch_size * cfg.train.seq_len * world * trainer.accum
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
@@ -408,12 +409,12 @@ class Island:
                     if sync.quiet and step - last_checkpoint >= checkpoint_every:
                         await in_torch_thread(save)
                         last_checkpoint = step
-                    frag, at = sync.next_sync(step)
+                    frag, at = schedule.next_round(step)
                     rate = _rate(recent_rate)
                     progress.update(step, stats.loss, rate, f"f{frag}@{at}")
                     network.status.step, network.status.tokens_per_s = step, rate
                     network.status.step_seconds = stats.seconds
-                    network.status.next_sync = sync.next_syncs(step)
+                    network.status.next_sync = schedule.next_starts(step)
                     network.report()
                     if metrics is not None:
                         metrics.on_step(step, stats.loss, stats.tokens, rate)
@@ -497,7 +498,7 @@ class Island:
         """
         cfg = self.cfg
         ahead = network.ahead()
-        if ahead is None or ahead[1] <= step + max(1, cfg.diloco.window // cfg.diloco.fragments):
+        if ahead is None or ahead[1] <= step + cfg.diloco.schedule.spacing:
             return None
         progress.note(f"the swarm is at step {ahead[1]}, this island at {step}: downloading its state")
         started = time.monotonic()
@@ -558,10 +559,10 @@ class Island:
         """A satellite in contact moves its step counter to the islands' (it trains at its own
         pace, and rounds are matched by round number): the step it should be at now."""
         target = network.swarm_step()
-        d = self.cfg.diloco
+        s = self.cfg.diloco.schedule
         # a little behind: its rounds start late but within the overlap; ahead by less than half
         # a window: its round numbers are the islands' still. Otherwise move.
-        if target is None or -d.tau <= step - target <= d.window // 2:
+        if target is None or -s.overlap <= step - target <= s.window // 2:
             return step
         target = min(target, self.cfg.train.steps)
         events.emit("align", step=step, to_step=target)

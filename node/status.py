@@ -17,7 +17,7 @@ def lateness(records: Mapping[str, IslandRecord], window: int, fragments: int) -
     if not records:
         return {}
     lead = max(r.step for r in records.values())
-    spacing = max(1, window // max(1, fragments))
+    spacing = max(1, window // max(1, fragments))  # Schedule.spacing, for a manifest that may be partial
     return {p: lead - r.step for p, r in records.items() if lead - r.step > spacing}
 
 

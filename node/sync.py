@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from islands.protocols.consensus import TOLERANCE, fragments_to_heal
 from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
-from islands.protocols.schedule import fragments_starting, next_sync_step, round_number
 
 if TYPE_CHECKING:
     from islands.protocols.averaging import AveragingTimeouts
@@ -79,6 +78,7 @@ class FragmentSync:
         self._clock = clock
         self._run_torch = run_torch
         self.can_round = can_round
+        self.schedule = diloco.cfg.schedule
         self.pending: dict[int, Pending] = {}
 
     @property
@@ -86,20 +86,11 @@ class FragmentSync:
         """No round in flight: the state can be checkpointed as it is."""
         return not self.pending
 
-    def next_sync(self, step: int) -> tuple[int, int]:
-        """(fragment, step) of the next round to start after `step`."""
-        return min(enumerate(self.next_syncs(step)), key=lambda x: x[1])
-
-    def next_syncs(self, step: int) -> list[int]:
-        cfg = self.diloco.cfg
-        return [next_sync_step(step, p, cfg.window, cfg.fragments) for p in range(cfg.fragments)]
-
     async def after_step(self, step: int, tokens: int) -> None:
-        cfg = self.diloco.cfg
         self.diloco.add_tokens(tokens)
-        if fragments_starting(step + PREFETCH_STEPS, cfg.window, cfg.fragments):
+        if self.schedule.starting(step + PREFETCH_STEPS):
             self.averager.prefetch()
-        for p in fragments_starting(step, cfg.window, cfg.fragments):
+        for p in self.schedule.starting(step):
             await self._start(p, step)
         for p in [p for p, pend in self.pending.items() if pend.apply_step <= step]:
             await self._finish(p, step)
@@ -108,7 +99,7 @@ class FragmentSync:
         if fragment in self.pending:  # cannot happen with tau < H/P; never start a second round
             logger.warning("fragment %d: round still pending at step %d, skipping", fragment, step)
             return
-        round_ = round_number(step, self.diloco.cfg.window)
+        round_ = self.schedule.round_of(step)
         if self.can_round is not None and not self.can_round():
             self._skipped_no_contact(fragment, round_, step)
             return
@@ -116,7 +107,7 @@ class FragmentSync:
         if not self.diloco.satellite:  # what satellites deposited with this island counts in its round
             c = await self._run_torch(self.averager.fold_deposits, c)
         task = asyncio.ensure_future(self.averager.average(c))
-        self.pending[fragment] = Pending(c, step + self.diloco.cfg.tau, task, self._clock())
+        self.pending[fragment] = Pending(c, self.schedule.applied_at(step), task, self._clock())
 
     def _skipped_no_contact(self, fragment: int, round_: int, step: int) -> None:
         d = self.diloco

@@ -15,7 +15,7 @@ import torch
 from . import PROTOCOL_VERSION
 from .consensus import fingerprint, fragment_fingerprint
 from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
-from .schedule import check_schedule, default_overlap, fragment_offset
+from .schedule import Schedule, check_schedule, default_overlap
 from .validation import tensors_norm
 
 Compression = Literal["none", "fp16", "int8"]
@@ -50,6 +50,10 @@ class DiLoCoConfig:
     @property
     def tau(self) -> int:
         return default_overlap(self.window, self.fragments) if self.overlap is None else self.overlap
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(self.window, self.fragments, self.tau)
 
     def manifest_fields(self) -> dict:
         """The hyper-parameters every island of a run must share."""
@@ -142,9 +146,6 @@ class StreamingDiLoCo:
         self.counters = [FragmentCounters() for _ in self.layout]
         self.on_local_change: Callable[[int], None] = lambda fragment: None
         """Called with a fragment whose local values were just changed outside an inner step."""
-
-    def offset(self, fragment: int) -> int:
-        return fragment_offset(fragment, self.cfg.window, self.cfg.fragments)
 
     def add_tokens(self, tokens: int) -> None:
         for c in self.counters:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -57,6 +58,55 @@ def next_sync_step(step: int, fragment: int, window: int, num_fragments: int) ->
     offset = fragment_offset(fragment, window, num_fragments)
     r = max(1, (step - offset) // window + 1)
     return r * window + offset
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What happens at inner step t: the one place that knows the window H, the P fragments and
+    the overlap tau. Fragment p's round r starts at step r*H + o_p (r >= 1) and is applied tau
+    steps later; the loop, the sync and the checks ask this value, never H and P themselves."""
+
+    window: int
+    fragments: int
+    overlap: int
+
+    def __post_init__(self):
+        check_schedule(self.window, self.fragments, self.overlap)
+
+    @property
+    def spacing(self) -> int:
+        """Steps between the starts of two consecutive fragments' rounds (at least 1)."""
+        return max(1, self.window // self.fragments)
+
+    def offset(self, fragment: int) -> int:
+        return fragment_offset(fragment, self.window, self.fragments)
+
+    def starting(self, step: int) -> list[int]:
+        """Fragments whose round starts at `step`."""
+        return fragments_starting(step, self.window, self.fragments)
+
+    def round_of(self, step: int) -> int:
+        """The round number of a round that starts at `step`."""
+        return round_number(step, self.window)
+
+    def applied_at(self, start: int) -> int:
+        """The step after which a round that started at `start` is applied."""
+        return start + self.overlap
+
+    def next_start(self, step: int, fragment: int) -> int:
+        """The first step after `step` at which `fragment` starts a round."""
+        return next_sync_step(step, fragment, self.window, self.fragments)
+
+    def next_starts(self, step: int) -> list[int]:
+        return [self.next_start(step, p) for p in range(self.fragments)]
+
+    def next_round(self, step: int) -> tuple[int, int]:
+        """(fragment, step) of the next round to start after `step`."""
+        return min(enumerate(self.next_starts(step)), key=lambda x: x[1])
+
+    def ends_window(self, step: int) -> bool:
+        """`step` is the last of a window (where --balance looks again)."""
+        return step % self.window == 0
 
 
 BALANCE_SLACK = 0.2

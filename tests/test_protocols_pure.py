@@ -12,6 +12,7 @@ from islands.protocols.outer import (
     weighted_average,
 )
 from islands.protocols.schedule import (
+    Schedule,
     check_schedule,
     default_overlap,
     fragment_offsets,
@@ -307,3 +308,16 @@ def test_the_last_round_makes_the_agreed_values_the_islands_mean_without_an_oute
         assert torch.allclose(diloco.globals[0][n], (params[n].detach() + other[n]) / 2, atol=1e-6)
         assert torch.equal(diloco.momentum[0][n], torch.ones_like(g0[n]))
     assert diloco.counters[0].round == 5
+
+
+def test_the_schedule_says_what_happens_at_each_step():
+    s = Schedule(window=20, fragments=4, overlap=3)
+    assert [s.starting(t) for t in (19, 20, 25, 30, 35, 40)] == [[], [0], [1], [2], [3], [0]]
+    assert (s.round_of(25), s.round_of(45), s.applied_at(25), s.spacing) == (1, 2, 28, 5)
+    assert s.next_round(19) == (0, 20) and s.next_round(20) == (1, 25) and s.next_starts(36) == [40, 45, 50, 55]
+    assert [t for t in range(1, 61) if s.ends_window(t)] == [20, 40, 60]
+    for t in range(1, 200):  # a fragment starts at t exactly when t is its next start seen from t - 1
+        assert s.starting(t) == [p for p in range(4) if s.next_start(t - 1, p) == t]
+    with pytest.raises(ValueError, match="overlap 5 must be below"):
+        Schedule(window=20, fragments=4, overlap=5)
+    assert DiLoCoConfig(window=20, fragments=4).schedule == Schedule(20, 4, 4)
