@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -319,10 +320,6 @@ def coerce(opt: Option, value: Any, source: str) -> Any:
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)

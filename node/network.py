@@ -205,7 +205,7 @@ class Network:
             if self.status.state != "left":
                 await self.dht.store_manifest(self.manifest)
             self._read(await self.dht.islands())
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - the DHT may be briefly unreachable
+        except Exception as e:  # noqa: BLE001 - the DHT may be briefly unreachable
             logger.warning("DHT refresh failed: %r", e)
         await self.redial()
 
@@ -221,7 +221,7 @@ class Network:
             targets = {p: m for p, m in targets.items() if not self.averaging.reputation.is_banned(p, now)}
         try:
             back = await self.dht.redial(targets)
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - next refresh tries again
+        except Exception as e:  # noqa: BLE001 - next refresh tries again
             logger.info("re-dialling lost peers failed: %r", e)
             return
         for peer in back:
@@ -234,7 +234,7 @@ class Network:
             return
         try:
             self._read(await asyncio.wait_for(self.dht.islands(), timeout=timeout_s))
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep the last view
+        except Exception as e:  # noqa: BLE001 - keep the last view
             logger.info("reading the island records failed: %r", e)
 
     async def _refresh_loop(self) -> None:
@@ -362,7 +362,7 @@ class Network:
         self.status.state = "left"
         try:
             await asyncio.wait_for(self.dht.store_island(self.record()), timeout=3)
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - best effort on the way out
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
             logger.info("could not withdraw the island record: %r", e)
 
     async def close(self) -> None:

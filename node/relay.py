@@ -110,7 +110,7 @@ class Relay:
         profile, contact = (special, None) if special is not None else (self.profile, self.contact)
         try:
             upstream_reader, upstream_writer = await asyncio.wait_for(asyncio.open_connection(*self.target), timeout=10)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             logger.info("relay: cannot reach %s:%d: %r", *self.target, e)
             client_writer.close()
             return
@@ -261,7 +261,7 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
             write_stats()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=STATS_EVERY_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         await relay.close()
         write_stats()

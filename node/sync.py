@@ -131,7 +131,7 @@ class FragmentSync:
             remaining_s = min(remaining_s, max(0.0, deadline - self._clock()))
         try:
             result = await asyncio.wait_for(pend.task, timeout=remaining_s)
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - any failure falls back to solo
+        except Exception as e:  # noqa: BLE001 - any failure falls back to solo
             logger.warning("fragment %d round %d failed: %r", fragment, c.round, e)
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         consensus = None
@@ -257,7 +257,7 @@ class FragmentSync:
                 ),
                 timeout=self.round_timeout_s,
             )
-        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - keep own values, retry next round
+        except Exception as e:  # noqa: BLE001 - keep own values, retry next round
             logger.warning("fragment %d round %d: consensus round failed: %r", fragment, round_, e)
             return "failed", 0
         if got is None:
