@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from islands.protocols.averaging import PART_SIZE_BYTES
+from islands.node.net.averaging import PART_SIZE_BYTES
 
 from .common import plot, table, write
 
@@ -44,8 +44,8 @@ def _row(backend: str, peers: int, mb: float, round_: int, outcome: str, group: 
 
 def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, part_size_bytes: int, maddrs, barrier, results) -> None:
     import torch
-    from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
-    from islands.protocols.dht import SwarmDHT
+    from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
+    from islands.node.net.dht import SwarmDHT
     from islands.protocols.diloco import Contribution
 
     torch.set_num_threads(1)

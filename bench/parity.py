@@ -27,7 +27,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from islands.protocols.averaging import allreduce_wire_bytes
+from islands.node.net.averaging import allreduce_wire_bytes
 
 from tests.procs import Nodes
 

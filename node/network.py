@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from islands.node.net.authorizer import RefusalLog
+from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
+from islands.node.net.dht import SwarmDHT, dht_now
+from islands.node.net.signing import IdentityError
 from islands.protocols.admission import SwarmKeyError, key_file_exposed, load_swarm_key
-from islands.protocols.authorizer import RefusalLog
-from islands.protocols.averaging import AveragingTimeouts, FragmentAveraging
-from islands.protocols.dht import SwarmDHT, dht_now
 from islands.protocols.manifest import describe_differences, manifest_differences
 from islands.protocols.records import (
     REFRESH_S,
@@ -29,7 +30,6 @@ from islands.protocols.records import (
     redial_targets,
     remember,
 )
-from islands.protocols.signing import IdentityError
 
 from .config import Config
 from .contact import ContactClock

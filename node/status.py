@@ -66,8 +66,8 @@ def main(argv: list[str], prog: str) -> int:
 
 
 async def _show(args) -> int:
+    from islands.node.net.dht import SwarmDHT, dht_now
     from islands.protocols.admission import SwarmKeyError, load_swarm_key
-    from islands.protocols.dht import SwarmDHT, dht_now
 
     try:
         key = load_swarm_key(args.swarm_key) if args.swarm_key else None

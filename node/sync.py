@@ -20,7 +20,7 @@ from islands.protocols.consensus import TOLERANCE, fragments_to_heal
 from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
 
 if TYPE_CHECKING:
-    from islands.protocols.averaging import AveragingTimeouts
+    from islands.node.net.averaging import AveragingTimeouts
 
 logger = logging.getLogger(__name__)
 

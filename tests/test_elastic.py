@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from islands.protocols.dht import SwarmDHT, dht_now
+from islands.node.net.dht import SwarmDHT, dht_now
 from islands.protocols.records import IslandRecord, redial_targets, remember
 
 from .procs import RelayProcess, free_port

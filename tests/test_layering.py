@@ -5,8 +5,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {"asyncio", "hivemind", "socket", "islands.node", "uvloop"}
-# protocols/ modules that wrap hivemind (the network side of fragment averaging and state transfer)
-NETWORK_MODULES = {"averaging.py", "dht.py", "transfer.py", "authorizer.py", "signing.py", "deposit.py"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -30,5 +28,4 @@ def test_models_import_no_network_and_no_protocols():
 
 def test_pure_protocol_modules_import_no_io():
     for path in (ROOT / "protocols").glob("*.py"):
-        if path.name not in NETWORK_MODULES:
-            assert not _bad(_imports(path), FORBIDDEN), path
+        assert not _bad(_imports(path), FORBIDDEN), path

@@ -3,8 +3,8 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from islands.node.net.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
 from islands.node.status import lateness, render_table
-from islands.protocols.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
 from islands.protocols.records import (
     IslandRecord,
     choose_shard,
@@ -151,7 +151,7 @@ def test_a_satellite_deposits_with_live_islands_or_else_the_ones_it_saw_last():
 
 
 def test_a_round_waits_for_an_island_still_training_towards_it_but_not_for_a_dead_one():
-    from islands.protocols.averaging import AveragingTimeouts
+    from islands.node.net.averaging import AveragingTimeouts
     from islands.protocols.records import arrival_s
 
     # 1024 tokens at 2048 tokens/s: 0.5 s a step, wall time
@@ -175,8 +175,8 @@ def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_the
     fingerprints the islands publish show it, so every island heals that fragment, then looks again."""
     import asyncio
 
+    from islands.node.net.averaging import AveragingTimeouts
     from islands.node.sync import FragmentSync
-    from islands.protocols.averaging import AveragingTimeouts
     from islands.protocols.diloco import DiLoCoConfig, RoundResult, StreamingDiLoCo
 
     from .test_protocols_pure import _toy_model
@@ -236,7 +236,7 @@ def test_an_island_record_carries_its_fingerprints_at_the_end():
 
 
 def test_a_consensus_round_never_sends_values_in_int8():
-    from islands.protocols.averaging import consensus_compression
+    from islands.node.net.averaging import consensus_compression
 
     assert consensus_compression("none") == "none"
     assert consensus_compression("fp16") == "fp16"

@@ -16,9 +16,9 @@ import urllib.request
 import pytest
 import torch
 from islands.node.cli import main as node_main
+from islands.node.net.dht import SwarmDHT
+from islands.node.net.signing import load_identity
 from islands.protocols.admission import load_swarm_key
-from islands.protocols.dht import SwarmDHT
-from islands.protocols.signing import load_identity
 from safetensors.torch import load_file
 
 from .procs import NODE

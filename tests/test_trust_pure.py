@@ -10,6 +10,8 @@ from hivemind.proto import dht_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 from islands.node.cli import main as node_main
+from islands.node.net.authorizer import SwarmKeyAuthorizer
+from islands.node.net.signing import load_identity, owner_peer_id
 from islands.protocols.admission import (
     SwarmKeyError,
     admission_tag,
@@ -20,8 +22,6 @@ from islands.protocols.admission import (
     untagged_members,
     write_swarm_key,
 )
-from islands.protocols.authorizer import SwarmKeyAuthorizer
-from islands.protocols.signing import load_identity, owner_peer_id
 from islands.protocols.validation import (
     NORM_RATIO,
     NormHistory,

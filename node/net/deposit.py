@@ -30,8 +30,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
-
-from .admission import admission_tag, tag_valid
+from islands.protocols.admission import admission_tag, tag_valid
 
 logger = logging.getLogger(__name__)
 

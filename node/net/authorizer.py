@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
-
-from .admission import MAX_CLOCK_SKEW_S, derive
+from islands.protocols.admission import MAX_CLOCK_SKEW_S, derive
 
 logger = logging.getLogger(__name__)
 

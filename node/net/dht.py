@@ -26,10 +26,10 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+from islands.protocols.admission import namespace
+from islands.protocols.records import RECORD_TTL_S, IslandRecord, parse_island_record
 
-from .admission import namespace
 from .authorizer import SwarmKeyAuthorizer
-from .records import RECORD_TTL_S, IslandRecord, parse_island_record
 from .signing import load_identity, owner_peer_id
 
 logger = logging.getLogger(__name__)

@@ -38,14 +38,12 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
-
-from .admission import admission_tag, derive, tag_valid, untagged_members
-from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
-from .consensus import TOLERANCE, consensus_needed
-from .deposit import DepositBox
-from .diloco import Contribution, RoundResult
-from .outer import fold_deposits
-from .validation import (
+from islands.protocols.admission import admission_tag, derive, tag_valid, untagged_members
+from islands.protocols.compression import BLOCK, dequantize_blockwise, quantize_blockwise
+from islands.protocols.consensus import TOLERANCE, consensus_needed
+from islands.protocols.diloco import Contribution, RoundResult
+from islands.protocols.outer import fold_deposits
+from islands.protocols.validation import (
     NormHistory,
     Reputation,
     check_consensus,
@@ -57,6 +55,8 @@ from .validation import (
     spoiled_spans,
     tensors_norm,
 )
+
+from .deposit import DepositBox
 
 logger = logging.getLogger(__name__)
 
