@@ -56,6 +56,8 @@ class Status:
     last_sync: list[dict] = dataclasses.field(default_factory=list)
     state: str = "starting"
     shard: int = -1
+    batch_tokens: int = 0
+    """Tokens of one inner step of the whole island (0: one rank's --batch-size x --seq-len)."""
     final: dict | None = None
     """At the end of a run: what IslandRecord.final says."""
 
@@ -158,7 +160,7 @@ class Network:
         s, net = self.status, self.cfg.net
         return IslandRecord(
             peer_id=self.peer_id, role=net.role, step=s.step,
-            batch_tokens=self.cfg.train.batch_size * self.cfg.train.seq_len,
+            batch_tokens=s.batch_tokens or self.cfg.train.batch_size * self.cfg.train.seq_len,
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
             version=self.version, time=dht_now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,

@@ -1,0 +1,298 @@
+"""The island core: one seam between the swarm and a training loop.
+
+It joins (waits for islands, catches up, serves its state to joiners), is told of every inner
+step (`after_step`), and leaves (flushes its rounds, agrees the model with the others, withdraws
+its record). It owns the Streaming DiLoCo state, the fragment sync and the island's role; it
+knows no model class, no optimizer and no data: it sees a mapping of parameter tensors and a
+fragment layout, and runs every touch of them through `run_torch` (the loop's torch thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import torch
+from islands.protocols.diloco import StreamingDiLoCo
+
+from .config import Config
+from .contact import ContactClock
+from .events import EventLog
+from .metrics import Metrics
+from .network import Network
+from .progress import Progress
+from .sync import FragmentSync
+
+logger = logging.getLogger(__name__)
+
+ROUND_TIMEOUT_S = 150.0  # above the longest match wait (x2) plus the all-reduce timeout
+JOIN_TIMEOUT_S = 30.0
+END_COMPARE_TIMEOUT_S = 30.0  # at the end, how long an island waits for the others' fingerprints (each look)
+
+
+class IslandRole:
+    """An island: always reachable; it takes every round, serves its state to joiners and agrees
+    the model with the others at the end."""
+
+    name = "island"
+    satellite = False
+
+    def may_round(self, budget_s: float) -> bool:
+        """Whether a round that needs `budget_s` seconds of contact may start now."""
+        return True
+
+    async def before_step(self, core: IslandCore, step: int) -> int:
+        """The step to train from (an island never moves its step counter)."""
+        return step
+
+
+class SatelliteRole:
+    """A satellite: in contact only in its windows. It rounds only with enough contact left,
+    accumulates instead of rounds it cannot take or that failed, serves no state (its agreed
+    values are stale by design) and takes no part in the end-of-run agreement."""
+
+    name = "satellite"
+    satellite = True
+
+    def __init__(self, contact: ContactClock):
+        self.contact = contact
+        self.was_in_contact: bool | None = None
+
+    def may_round(self, budget_s: float) -> bool:
+        return self.contact.can_round(budget_s)
+
+    async def before_step(self, core: IslandCore, step: int) -> int:
+        """On entering or leaving contact: say so, and refresh the records at once on entering;
+        in contact with no round in flight, move to the islands' step."""
+        in_contact = self.contact.in_contact()
+        if in_contact != self.was_in_contact:
+            self.was_in_contact = in_contact
+            core.events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(self.contact.remaining_s(), 3))
+            if in_contact:  # publish its record and read the islands' at once
+                core.refresh_soon()
+        if in_contact and core.sync.quiet:
+            return core.align(step)
+        return step
+
+
+def make_role(cfg: Config) -> IslandRole | SatelliteRole:
+    """The role the config names; a satellite's contact windows count from here (the node's start)."""
+    return SatelliteRole(ContactClock(cfg.net.contact)) if cfg.net.role == "satellite" else IslandRole()
+
+
+class IslandCore:
+    def __init__(
+        self, cfg: Config, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], network: Network,
+        role: IslandRole | SatelliteRole, events: EventLog, totals: dict, run_torch: Callable[..., Awaitable],
+        metrics: Metrics | None = None,
+    ):
+        """`params`: the model's parameters by name, at the run's initialisation (the agreed values
+        start from them); `totals`: the run's counters, which the core adds its rounds to."""
+        self.cfg = cfg
+        self.layout = [list(names) for names in layout]
+        self.params = params
+        self.network = network
+        self.role = role
+        self.events = events
+        self.totals = totals
+        self.metrics = metrics
+        self.run_torch = run_torch
+        self.schedule = cfg.diloco.schedule
+        self.diloco = StreamingDiLoCo(cfg.diloco, layout, params, satellite=role.satellite)
+        self.sync: FragmentSync | None = None
+        self._refreshes: set[asyncio.Future] = set()
+
+    # --- joining -------------------------------------------------------------------------
+
+    async def wait_for_islands(self, shutdown: Callable[[], bool], progress: Progress) -> None:
+        """--wait-islands: wait (bounded) until that many islands are in the swarm."""
+        net = self.cfg.net
+        seen = await self.network.wait_for_islands(
+            net.wait_islands, net.wait_timeout_s, shutdown,
+            Changed(lambda n: progress.note(f"waiting for islands: {n} of {net.wait_islands} here")),
+        )
+        if seen < net.wait_islands:
+            progress.note(f"only {seen} of {net.wait_islands} islands after {net.wait_timeout_s:g}s; training anyway")
+
+    async def catch_up(self, step: int, progress: Progress) -> int | None:
+        """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
+
+        Downloads every fragment's agreed values, outer momentum and round number from the most
+        advanced island that answers, starts the local values from them, and continues at that
+        island's step; None if there was nothing to catch up."""
+        ahead = self.network.ahead()
+        if ahead is None or ahead[1] <= step + self.schedule.spacing:
+            return None
+        progress.note(f"the swarm is at step {ahead[1]}, this island at {step}: downloading its state")
+        started = time.monotonic()
+        got = await self._download_all()
+        if len(got) < self.schedule.fragments:
+            # no usable state: take the swarm's step anyway; this island's first round of each
+            # fragment is then stale (it counts ~0) and it rebases on an island's fragment after it
+            progress.note("could not download the swarm's state; joining at its step with a stale base")
+            self.events.emit("join", step=ahead[1], state_from=None, seconds=round(time.monotonic() - started, 3), bytes=0)
+            return ahead[1]
+
+        def take() -> None:
+            for p, meta, g, m in got:
+                self.diloco.replace(p, g, m, round_=int(meta["round"]))
+                with torch.no_grad():
+                    for n, t in g.items():
+                        self.params[n].copy_(t)
+
+        await self.run_torch(take)
+        new_step = min(int(meta["step"]) for _, meta, _, _ in got)
+        sources = [str(meta.get("peer_id")) for _, meta, _, _ in got]
+        size = sum(t.numel() * t.element_size() for _, _, g, m in got for t in (*g.values(), *m.values()))
+        seconds = time.monotonic() - started
+        # state_from: the island that gave fragment 0; sources: who gave each fragment
+        self.events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
+        progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
+        return new_step
+
+    async def _download_all(self) -> list[tuple[int, dict, dict, dict]]:
+        """(fragment, meta, agreed values, momentum) of each fragment in order, up to the first
+        that did not come or did not fit."""
+        got = []
+        for p in range(self.schedule.fragments):
+            item = await self.network.averaging.download(p, timeout_s=JOIN_TIMEOUT_S)
+            if item is None:
+                break
+            meta, tensors = item
+            try:
+                g, m = self.diloco.state_from_tensors(p, tensors)
+            except ValueError as e:
+                logger.warning("state from %s does not fit: %s", meta.get("peer_id"), e)
+                break
+            got.append((p, meta, g, m))
+        return got
+
+    def begin(self, step: int, shard: int, batch_tokens: int) -> None:
+        """From now on this island's record says it is training, from `step`, on data shard `shard`."""
+        status = self.network.status
+        status.step, status.shard, status.state = step, shard, "training"
+        self.set_batch_tokens(batch_tokens)
+
+    def set_batch_tokens(self, batch_tokens: int) -> None:
+        """Tokens of one inner step of the whole island (its ranks and micro-batches included)."""
+        self.network.status.batch_tokens = batch_tokens
+
+    def use_params(self, params: Mapping[str, torch.Tensor], on_local_change: Callable[[int], None]) -> None:
+        """From now on the rounds read and write `params` (a multi-rank island's view of its
+        model), and tell `on_local_change(fragment)` when they changed a fragment's local values."""
+        self.params = params
+        self.diloco.on_local_change = on_local_change
+
+    def start(self, start_step: int) -> None:
+        """Serve this island's state to joiners and begin syncing fragments on the schedule."""
+        if not self.role.satellite:  # a satellite's agreed values are stale by design: joiners take an island's
+            self.network.averaging.share_state(self._state_for_joiners, priority=float(start_step))
+        # an island may always round; a satellite's round that cannot start is `skipped_no_contact`
+        can_round = (lambda: self.role.may_round(self.network.round_budget_s)) if self.role.satellite else None
+        self.sync = FragmentSync(
+            self.diloco, self.network.averaging, self.params, self._on_sync, ROUND_TIMEOUT_S, run_torch=self.run_torch,
+            can_round=can_round,
+        )
+
+    def _state_for_joiners(self, fragment: int) -> tuple[dict, list]:
+        round_, tensors = self.diloco.fragment_state(fragment)
+        meta = {"peer_id": self.network.peer_id, "step": self.network.status.step, "round": round_, "run_id": self.cfg.net.run_id}
+        return meta, tensors
+
+    # --- every step ------------------------------------------------------------------------
+
+    async def before_step(self, step: int) -> int:
+        """The step the loop trains from next (a satellite in contact may move to the islands')."""
+        return await self.role.before_step(self, step)
+
+    async def after_step(self, step: int, tokens: int) -> None:
+        """Step `step` trained on `tokens` tokens: start and apply the rounds the schedule says."""
+        await self.sync.after_step(step, tokens)
+
+    def publish(self, step: int, tokens_per_s: float, step_seconds: float) -> None:
+        """Tell the swarm where this island stands (its record is published by the network's loop)."""
+        status = self.network.status
+        status.step, status.tokens_per_s, status.step_seconds = step, tokens_per_s, step_seconds
+        status.next_sync = self.schedule.next_starts(step)
+        self.network.report()
+        if self.metrics is not None:
+            self.metrics.on_network(**self.network.counts())
+
+    def _on_sync(self, record: dict) -> None:
+        totals = self.totals
+        totals[f"syncs_{record['outcome']}"] += 1
+        totals["bytes_sent"] += record["bytes_sent"]
+        totals["bytes_recv"] += record["bytes_recv"]
+        self.network.status.last_sync[record["fragment"]] = {
+            "step": record["step"], "outcome": record["outcome"], "group_size": record["group_size"],
+        }
+        self.events.emit("sync", **record)
+        if self.metrics is not None:
+            self.metrics.on_sync(record)
+        # tell the swarm at once: an island that fell behind reads this to skip the round
+        self.refresh_soon()
+
+    def refresh_soon(self) -> None:
+        """Publish this island's record and read the others' now, without waiting for it."""
+        self._refreshes.add(asyncio.ensure_future(self.network.refresh()))
+        self._refreshes.difference_update({t for t in self._refreshes if t.done()})
+
+    def align(self, step: int) -> int:
+        """A satellite in contact moves its step counter to the islands' (it trains at its own
+        pace, and rounds are matched by round number): the step it should be at now."""
+        target = self.network.swarm_step()
+        s = self.schedule
+        # a little behind: its rounds start late but within the overlap; ahead by less than half
+        # a window: its round numbers are the islands' still. Otherwise move.
+        if target is None or -s.overlap <= step - target <= s.window // 2:
+            return step
+        target = min(target, self.cfg.train.steps)
+        self.events.emit("align", step=step, to_step=target)
+        return target
+
+    # --- leaving ---------------------------------------------------------------------------
+
+    async def flush(self, step: int, leaving: bool) -> None:
+        """Finish the rounds in flight and apply them; `leaving` on a signal: within --leave-timeout-s."""
+        await self.sync.flush(step, budget_s=self.cfg.net.leave_timeout_s if leaving else None)
+
+    async def agree(self, step: int, shutdown: Callable[[], bool], progress: Progress) -> None:
+        """At the end of the run, with the others: wait for them to finish, then one last round of
+        every fragment, healed where the islands' agreed values still differ (FragmentSync.agree)."""
+        if self.role.satellite or self.network.expected_group() <= 1:
+            return
+        net = self.cfg.net
+        ready = await self.network.wait_for_end(step, net.end_wait_s, shutdown, Changed(
+            lambda behind: progress.note(f"waiting up to {net.end_wait_s:g} s for {behind} island(s) to finish, to agree the model")
+        ))
+
+        async def compare(look: int, fingerprints: list[list[float]]) -> list[list[list[float]]]:
+            return await self.network.compare_final(look, fingerprints, ready, END_COMPARE_TIMEOUT_S)
+
+        last_rounds, verdicts, agree_bytes = await self.sync.agree(step, compare)
+        self.totals["bytes_sent"] += agree_bytes
+        self.totals["bytes_recv"] += agree_bytes
+        self.events.emit("agree", step=step, last_rounds=last_rounds, fragments=verdicts, bytes_sent=agree_bytes)
+
+    async def withdraw(self) -> None:
+        """Tell the swarm this island left: the others stop waiting for it at once. A refresh still
+        in flight is cancelled first: it would publish the record of an island still training."""
+        for task in self._refreshes:
+            task.cancel()
+        await asyncio.gather(*self._refreshes, return_exceptions=True)
+        self._refreshes.clear()
+        await self.network.withdraw()
+
+
+class Changed:
+    """Call `fn(value)` only when the value differs from the last one."""
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, object()
+
+    def __call__(self, value) -> None:
+        if value != self.last:
+            self.last = value
+            self.fn(value)
