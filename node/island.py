@@ -23,7 +23,7 @@ from .events import EventLog
 from .metrics import Metrics
 from .network import Network
 from .progress import Progress
-from .sync import FragmentSync
+from .sync import FragmentSync, Rounds
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,17 @@ class IslandCore:
     def __init__(
         self, cfg: Config, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], network: Network,
         role: IslandRole | SatelliteRole, events: EventLog, totals: dict, run_torch: Callable[..., Awaitable],
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, rounds: Rounds | None = None,
     ):
         """`params`: the model's parameters by name, at the run's initialisation (the agreed values
-        start from them); `totals`: the run's counters, which the core adds its rounds to."""
+        start from them); `totals`: the run's counters, which the core adds its rounds to;
+        `rounds`: what averages a contribution with the other islands (default: the network's
+        hivemind averagers)."""
         self.cfg = cfg
         self.layout = [list(names) for names in layout]
         self.params = params
         self.network = network
+        self.rounds = network.averaging if rounds is None else rounds
         self.role = role
         self.events = events
         self.totals = totals
@@ -157,7 +160,7 @@ class IslandCore:
         that did not come or did not fit."""
         got = []
         for p in range(self.schedule.fragments):
-            item = await self.network.averaging.download(p, timeout_s=JOIN_TIMEOUT_S)
+            item = await self.rounds.download(p, timeout_s=JOIN_TIMEOUT_S)
             if item is None:
                 break
             meta, tensors = item
@@ -188,11 +191,11 @@ class IslandCore:
     def start(self, start_step: int) -> None:
         """Serve this island's state to joiners and begin syncing fragments on the schedule."""
         if not self.role.satellite:  # a satellite's agreed values are stale by design: joiners take an island's
-            self.network.averaging.share_state(self._state_for_joiners, priority=float(start_step))
+            self.rounds.share_state(self._state_for_joiners, priority=float(start_step))
         # an island may always round; a satellite's round that cannot start is `skipped_no_contact`
         can_round = (lambda: self.role.may_round(self.network.round_budget_s)) if self.role.satellite else None
         self.sync = FragmentSync(
-            self.diloco, self.network.averaging, self.params, self._on_sync, ROUND_TIMEOUT_S, run_torch=self.run_torch,
+            self.diloco, self.rounds, self.params, self._on_sync, ROUND_TIMEOUT_S, run_torch=self.run_torch,
             can_round=can_round,
         )
 

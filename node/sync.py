@@ -30,7 +30,11 @@ END_LOOKS = 3
 """How many times at most the islands compare their agreed values at the end of a run (FragmentSync.agree)."""
 
 
-class Averager(Protocol):
+class Rounds(Protocol):
+    """Averaging one contribution with the islands of its round, and the state transfers around
+    it: the seam between the island core and a transport (today hivemind's averagers,
+    node/net/averaging.py; in tests, tests/fakes.py)."""
+
     def prefetch(self) -> None: ...
 
     compression: str
@@ -47,6 +51,8 @@ class Averager(Protocol):
         apart: tuple[float, float] = (0.0, 0.0), wait_s: float | None = None,
     ) -> tuple[dict, dict, int] | None: ...
 
+    def share_state(self, provider: Callable[[int], tuple[dict, list]], priority: float) -> None: ...
+
 
 @dataclasses.dataclass
 class Pending:
@@ -60,7 +66,7 @@ class FragmentSync:
     def __init__(
         self,
         diloco: StreamingDiLoCo,
-        averager: Averager,
+        averager: Rounds,
         params: Mapping[str, torch.Tensor],
         on_sync: Callable[[dict], None],
         round_timeout_s: float,

@@ -1,0 +1,375 @@
+"""In-process fakes for the island core: a swarm of records on a clock the test controls, and
+rounds between islands of one event loop with scripted faults. No sockets, no processes, no
+sleeping: every wait polls the board and moves the fake clock, so a scenario runs the same way
+on an idle machine and a loaded one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import types
+from collections.abc import Callable
+
+import torch
+from islands.node.config import Config
+from islands.node.island import IslandCore, IslandRole
+from islands.node.net.averaging import STALE_WEIGHT
+from islands.node.network import Status
+from islands.protocols.consensus import TOLERANCE, consensus_needed
+from islands.protocols.diloco import Contribution, DiLoCoConfig, RoundResult
+from islands.protocols.records import IslandRecord, expected_group, live_records
+
+POLL_S = 0.5
+"""Fake seconds a waiting network call lets pass between two looks at the board (the node's own polls)."""
+MAX_POLLS = 400
+
+
+class Clock:
+    """Seconds that pass only when the test (or a poll) says so."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class Board:
+    """The swarm's records as the DHT holds them: the newest record of each peer wins. In a
+    partition each side sees the other side's records as they were at the cut, until they lapse."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.records: dict[str, IslandRecord] = {}
+        self.side: dict[str, int] = {}
+        """peer -> side of a partition; peers on different sides cannot reach each other."""
+        self.at_cut: dict[str, IslandRecord] = {}
+
+    def store(self, record: IslandRecord) -> None:
+        old = self.records.get(record.peer_id)
+        if old is None or record.time >= old.time:
+            self.records[record.peer_id] = record
+
+    def reaches(self, a: str, b: str) -> bool:
+        return self.side.get(a, 0) == self.side.get(b, 0)
+
+    def read(self, reader: str) -> dict[str, IslandRecord]:
+        return {p: r if self.reaches(reader, p) else self.at_cut[p] for p, r in self.records.items()}
+
+    def partition(self, *sides: set[str]) -> None:
+        self.side = {p: i for i, side in enumerate(sides) for p in side}
+        self.at_cut = dict(self.records)
+
+    def heal(self) -> None:
+        self.side = {}
+
+
+class FakeNetwork:
+    """What the island core asks of its network (node/network.py), over a Board."""
+
+    def __init__(self, board: Board, peer_id: str, cfg: Config, role: str = "island"):
+        self.board, self.peer_id, self.cfg, self.role = board, peer_id, cfg, role
+        fragments = cfg.diloco.fragments
+        self.status = Status(next_sync=[0] * fragments, last_sync=[{} for _ in range(fragments)])
+        self.peers: dict[str, IslandRecord] = {}
+        self.round_budget_s = 1.0
+
+    @property
+    def clock(self) -> Clock:
+        return self.board.clock
+
+    def record(self) -> IslandRecord:
+        s = self.status
+        return IslandRecord(
+            peer_id=self.peer_id, role=self.role, step=s.step, batch_tokens=s.batch_tokens or 1,
+            tokens_per_s=s.tokens_per_s, step_seconds=s.step_seconds, next_sync=list(s.next_sync),
+            last_sync=list(s.last_sync), contact=None, version="fake", time=self.clock(), state=s.state,
+            maddrs=[], shard=s.shard, final=s.final,
+        )
+
+    async def refresh(self) -> None:
+        self.board.store(self.record())
+        self.peers = self.board.read(self.peer_id)
+
+    def report(self) -> None:
+        """Every step: this island's record is published and the others' read (no refresh period)."""
+        self.board.store(self.record())
+        self.peers = self.board.read(self.peer_id)
+
+    def counts(self) -> dict[str, int]:
+        return {"peers": len(self.live()), "banned": 0, "forged": 0, "malformed": 0}
+
+    def live(self) -> dict[str, IslandRecord]:
+        return live_records(self.peers, self.clock())
+
+    def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
+        return {
+            p: r for p, r in self.live().items()
+            if p != self.peer_id and r.role == "island" and (r.state == "training" or not training)
+        }
+
+    def expected_group(self) -> int:
+        return expected_group(self.peer_id, self.live())
+
+    def ahead(self) -> tuple[str, int] | None:
+        others = self._other_islands()
+        if not others:
+            return None
+        peer = max(others, key=lambda p: others[p].step)
+        return peer, others[peer].step
+
+    def swarm_step(self) -> int | None:
+        others = self._other_islands()
+        return max((r.step for r in others.values()), default=None)
+
+    def peer_step_seconds(self) -> list[float]:
+        return [r.step_seconds for r in self._other_islands().values() if r.step_seconds > 0]
+
+    async def _poll(self) -> None:
+        self.clock.advance(POLL_S)
+        await asyncio.sleep(0)
+        await self.refresh()
+
+    async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait) -> int:
+        deadline = self.clock() + timeout_s
+        while 1 + len(self._other_islands(training=False)) < count and self.clock() < deadline and not shutdown():
+            on_wait(1 + len(self._other_islands(training=False)))
+            await self._poll()
+        return 1 + len(self._other_islands(training=False))
+
+    async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait) -> set[str]:
+        await self.refresh()
+        deadline = self.clock() + timeout_s
+        while True:
+            others = self._other_islands()
+            behind = [r for r in others.values() if r.step < step]
+            if not behind or self.clock() >= deadline or shutdown():
+                return {p for p, r in others.items() if r.step >= step}
+            on_wait(len(behind))
+            await self._poll()
+
+    async def compare_final(self, check: int, fps: list[list[float]], peers: set[str], timeout_s: float) -> list[list[list[float]]]:
+        self.status.final = {"check": check, "fp": fps}
+        await self.refresh()
+        deadline = self.clock() + timeout_s
+        while True:
+            live = self.live()
+            posted = {p: r.final for p, r in self.peers.items() if p in peers and r.final is not None and r.final["check"] >= check}
+            waiting = [p for p in peers if p in live and p not in posted]
+            if not waiting or self.clock() >= deadline:
+                return [f["fp"] for f in posted.values()]
+            await self._poll()
+
+    async def withdraw(self) -> None:
+        if self.status.state == "left":
+            return
+        self.status.state = "left"
+        self.board.store(self.record())
+
+
+@dataclasses.dataclass
+class Gathering:
+    """One round of one fragment (or one consensus round) as the members arrive."""
+
+    expected: set[str]
+    given: dict[str, object] = dataclasses.field(default_factory=dict)
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    failed: bool = False
+
+
+class Hub:
+    """Rounds between the islands of one event loop: a round completes when every member its
+    first arrival expected (the live islands it saw) has contributed, with the token-weighted
+    average, as hivemind's all-reduce gives it; scripted faults change that per round."""
+
+    def __init__(self):
+        self.gatherings: dict[tuple, Gathering] = {}
+        self.dead: set[str] = set()
+        self.split: dict[tuple[int, int], str] = {}
+        """(fragment, round) -> the member that gets `failed` while the others get `ok`."""
+        self.crash: dict[tuple[int, int], str] = {}
+        """(fragment, round) -> the member that dies in that round, once it has contributed."""
+        self.states: dict[str, tuple[Callable, float]] = {}
+        self.log: list[tuple] = []
+
+    def kill(self, peer: str) -> None:
+        """The member dies: every round waiting for it fails at once for the others."""
+        self.dead.add(peer)
+        for g in self.gatherings.values():
+            if peer in g.expected and not g.done.is_set():
+                g.failed = True
+                g.done.set()
+
+    async def gather(self, key: tuple, me: str, expected: set[str], given: object) -> Gathering:
+        g = self.gatherings.setdefault(key, Gathering(expected))
+        g.given[me] = given
+        if g.expected & self.dead:
+            g.failed = True
+        if g.failed or set(g.given) >= g.expected:
+            g.done.set()
+        await g.done.wait()
+        return g
+
+
+class FakeRounds:
+    """The core's rounds (node/sync.Averager) over a Hub."""
+
+    compression = "none"
+    timeouts = types.SimpleNamespace(end_wait_s=20.0)
+
+    def __init__(self, hub: Hub, network: FakeNetwork):
+        self.hub, self.network = hub, network
+
+    def prefetch(self) -> None:
+        pass
+
+    def fold_deposits(self, c: Contribution) -> Contribution:
+        return c
+
+    def _members(self) -> set[str]:
+        return {self.network.peer_id} | {p for p, r in self.network.live().items() if r.role == "island"}
+
+    async def average(self, c: Contribution, wait_s: float | None = None) -> RoundResult:
+        me = self.network.peer_id
+        failed = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
+        if self.network.expected_group() <= 1:
+            return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
+        if not all(self.network.board.reaches(me, p) for p in self._members()):
+            return failed  # a member it cannot reach: the real round waits for it, then fails
+        if self.hub.crash.get((c.fragment, c.round)) == me:
+            self.hub.kill(me)
+        g = await self.hub.gather(("delta", c.fragment, c.round), me, self._members(), c)
+        self.hub.log.append(("delta", c.fragment, c.round, me, not g.failed))
+        if g.failed or self.hub.split.get((c.fragment, c.round)) == me:
+            return failed
+        members = list(g.given.values())
+        weights = [max(m.weight, STALE_WEIGHT) for m in members]  # as the real rounds: hivemind needs a positive weight
+        total = sum(weights)
+        delta = {n: sum(m.delta[n] * (w / total) for m, w in zip(members, weights, strict=True)) for n in c.delta}
+        return RoundResult(
+            outcome="ok", delta=delta, group_size=len(members), weight=total, staleness=c.staleness,
+            consensus=consensus_needed((m.fingerprint for m in members if not m.staleness), TOLERANCE["none"]),
+        )
+
+    async def consensus(self, fragment, round_, global_, momentum, stale=False, apart=(0.0, 0.0), wait_s=None):
+        me = self.network.peer_id
+        g = await self.hub.gather(("consensus", fragment, round_), me, self._members(), (global_, momentum))
+        self.hub.log.append(("consensus", fragment, round_, me, not g.failed))
+        if g.failed:
+            return None
+        values = list(g.given.values())
+        mean = lambda i: {n: sum(v[i][n] for v in values) / len(values) for n in global_}  # noqa: E731
+        return mean(0), mean(1), 0
+
+    def share_state(self, provider: Callable, priority: float) -> None:
+        self.hub.states[self.network.peer_id] = (provider, priority)
+
+    async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None:
+        me = self.network.peer_id
+        donors = [
+            (priority, peer) for peer, (_, priority) in self.hub.states.items()
+            if peer != me and peer not in self.hub.dead and self.network.board.reaches(me, peer)
+        ]
+        if not donors:
+            return None
+        _, peer = max(donors)
+        return self.hub.states[peer][0](fragment)
+
+
+class Events:
+    """The event log, in memory."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def emit(self, event: str, **fields) -> dict:
+        record = {"event": event, **fields}
+        self.records.append(record)
+        return record
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.records if e["event"] == kind]
+
+
+LAYOUT = [["a"], ["b"]]
+TOKENS = 100
+STEP_S = 0.5
+"""Fake seconds one inner step takes."""
+
+
+def config(window: int = 10, steps: int = 40, **net) -> Config:
+    cfg = Config(diloco=DiLoCoConfig(window=window, fragments=2))
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, steps=steps), net=dataclasses.replace(cfg.net, **net),
+    )
+
+
+async def _run_torch(fn, *args):
+    return fn(*args)
+
+
+class ToyIsland:
+    """An island of the in-process tier: two fragments of six values, an inner step that pulls
+    them towards this island's own target, the real island core, a fake network and rounds."""
+
+    def __init__(self, name: str, board: Board, hub: Hub, cfg: Config, target: float):
+        self.name = name
+        self.cfg = cfg
+        self.target = {n: torch.full((6,), target) + torch.arange(6.0) * 0.1 for n in ("a", "b")}
+        self.params = {n: torch.zeros(6) for n in ("a", "b")}
+        self.network = FakeNetwork(board, name, cfg)
+        self.events = Events()
+        self.totals = {"bytes_sent": 0, "bytes_recv": 0, **{f"syncs_{o}": 0 for o in ("ok", "solo", "failed", "skipped_no_contact", "rejected")}}
+        self.core = IslandCore(
+            cfg, LAYOUT, self.params, self.network, IslandRole(), self.events, self.totals, _run_torch,
+            rounds=FakeRounds(hub, self.network),
+        )
+        self.hub = hub
+        self.step = 0
+
+    def train(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.add_(0.1 * (self.target[n] - p))
+
+    async def join(self) -> None:
+        """Start: catch up with the swarm if it is ahead, then sync on the schedule."""
+        await self.network.refresh()
+        self.core.begin(self.step, 0, TOKENS)
+        caught_up = await self.core.catch_up(self.step, _Quiet())
+        if caught_up is not None:
+            self.step = caught_up
+        self.core.start(self.step)
+        self.network.report()
+
+    async def run(self, until: int) -> None:
+        """Train to step `until`, or until this island dies (Hub.crash): then its record stops."""
+        while self.step < until:
+            self.train()
+            self.step += 1
+            self.network.clock.advance(STEP_S)
+            await self.core.after_step(self.step, TOKENS)
+            await asyncio.sleep(0)  # the islands of the test take turns, step by step
+            if self.name in self.hub.dead:
+                for pending in self.core.sync.pending.values():
+                    pending.task.cancel()
+                return
+            self.core.publish(self.step, TOKENS / STEP_S, STEP_S)
+
+    async def leave(self) -> None:
+        """The end of the run: flush, agree with the others, withdraw."""
+        await self.core.flush(self.step, leaving=False)
+        await self.core.agree(self.step, lambda: False, _Quiet())
+        await self.core.withdraw()
+
+    def syncs(self) -> list[tuple[int, int, str]]:
+        """(start step, fragment, outcome) of every round, in the order they were applied."""
+        return [(e["step"], e["fragment"], e["outcome"]) for e in self.events.of("sync")]
+
+
+class _Quiet:
+    def note(self, text: str) -> None:
+        pass

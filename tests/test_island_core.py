@@ -1,0 +1,144 @@
+"""The island core in process: real IslandCore, FragmentSync and Streaming DiLoCo; fake records,
+fake rounds with scripted faults, and a clock the test moves (tests/fakes.py). Each scenario
+asserts the exact sequence of rounds an island sees, which multi-process tests can only bound."""
+
+import asyncio
+
+import pytest
+import torch
+
+from .fakes import Board, Clock, Hub, ToyIsland, config
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _swarm(*targets: float, **cfg_kwargs):
+    board, hub = Board(Clock()), Hub()
+    cfg = config(**cfg_kwargs)
+    return board, hub, [ToyIsland(name, board, hub, cfg, t) for name, t in zip("abcdef", targets, strict=False)]
+
+
+def _same(x: ToyIsland, y: ToyIsland) -> bool:
+    gx, gy = x.core.diloco.global_state(), y.core.diloco.global_state()
+    return all(torch.equal(gx[n], gy[n]) for n in gx)
+
+
+def _starts(steps: int, window: int = 10):
+    """(start step, fragment) of every round of a run of `steps` steps, window 10, two fragments."""
+    return [(t, p) for t in range(window, steps + 1) for p in (0, 1) if t % window == p * window // 2]
+
+
+async def test_two_islands_average_every_round_and_end_with_one_model():
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=40)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(40), b.run(40))
+    await asyncio.gather(a.leave(), b.leave())
+    for island in (a, b):
+        assert island.syncs() == [(t, p, "ok") for t, p in _starts(40)]
+        agree = island.events.of("agree")[0]
+        assert agree["last_rounds"] == ["ok", "ok"] and agree["fragments"] == ["ok", "ok"]
+    assert _same(a, b)
+    assert not torch.equal(a.params["a"], b.params["a"])  # the local values stay each island's own
+
+
+async def test_a_member_that_dies_mid_round_fails_that_round_then_is_routed_around():
+    """B dies in the round of fragment 1 that starts at step 45 (round 4): A's round fails and A
+    applies its own update; A's next rounds fail at once while B's record is live (12 s: 24 of
+    A's steps of 0.5 s), then A goes on alone."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=120)
+    hub.crash[(1, 4)] = "b"
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(120), b.run(120))
+    assert b.step == 45 and b.syncs()[-1][:2] == (40, 0)
+    await a.leave()
+    assert a.syncs() == _expect(120, ok=44, failed=65, solo=120)
+    assert [e["policy"] for e in a.events.of("sync") if e["step"] == 45] == ["own_update"]
+    assert a.events.of("agree") == []  # alone at the end: nobody to agree with
+
+
+async def test_a_split_last_round_is_healed_by_the_end_of_run_agreement():
+    """The end-of-run round of fragment 0 splits (A `ok`, B `failed`): their agreed values differ;
+    the islands' fingerprints show it, and one consensus round makes them one model again."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=40)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(40), b.run(40))
+    last = a.core.schedule.round_of(40) + 1  # the end-of-run round, after fragment 0's round 4
+    hub.split[(0, last)] = "b"
+    await asyncio.gather(a.leave(), b.leave())
+    assert a.events.of("agree")[0]["last_rounds"] == ["ok", "ok"]
+    assert b.events.of("agree")[0]["last_rounds"] == ["failed", "ok"]
+    for island in (a, b):
+        assert island.events.of("agree")[0]["fragments"] == ["ok", "ok"]
+    # one consensus round, of fragment 0, keyed by the look after the last round
+    assert sorted(k for k in hub.log if k[0] == "consensus") == [("consensus", 0, last + 1, p, True) for p in "ab"]
+    assert _same(a, b)
+
+
+async def test_a_split_round_in_training_is_healed_by_the_next_round_of_its_fragment():
+    """A round of fragment 1 splits mid-run: the next round of that fragment sees different
+    fingerprints and runs a consensus round; from then on the islands agree."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=60)
+    hub.split[(1, 2)] = "b"  # fragment 1's round that starts at step 25
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(60), b.run(60))
+    await asyncio.gather(a.leave(), b.leave())
+    for island, at_25 in ((a, "ok"), (b, "failed")):
+        syncs = {(e["step"], e["fragment"]): e for e in island.events.of("sync")}
+        assert syncs[(25, 1)]["outcome"] == at_25
+        assert {k for k, e in syncs.items() if e["consensus"] is not None} == {(35, 1)}
+        assert syncs[(35, 1)]["consensus"] == "ok"
+    assert sorted(k for k in hub.log if k[0] == "consensus") == [("consensus", 1, 3, p, True) for p in "ab"]
+    assert _same(a, b)
+
+
+async def test_a_partition_trains_apart_and_the_first_round_after_it_merges_the_sides():
+    """Cut after step 30: each side's rounds fail while the other's record (as of the cut) is
+    live, then run alone; after the heal at step 80 the first round of each fragment finds the
+    bases apart and re-merges them with a consensus round."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=120)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(30), b.run(30))
+    board.partition({"a"}, {"b"})
+    await asyncio.gather(a.run(80), b.run(80))
+    board.heal()
+    await asyncio.gather(a.run(120), b.run(120))
+    await asyncio.gather(a.leave(), b.leave())
+    for island in (a, b):
+        assert island.syncs() == _expect(120, ok=30, failed=40, solo=80, ok_again=120)
+        merged = {(e["step"], e["fragment"]) for e in island.events.of("sync") if e["consensus"] is not None}
+        assert merged == {(85, 1), (90, 0)}
+        assert all(e["consensus"] == "ok" for e in island.events.of("sync") if e["consensus"] is not None)
+        assert island.events.of("agree")[0]["fragments"] == ["ok", "ok"]
+    assert _same(a, b)
+
+
+async def test_a_joiner_takes_the_swarm_state_and_step_and_then_averages_with_it():
+    board, hub, (a, b, c) = _swarm(1.0, -1.0, 0.5, steps=80)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(33), b.run(33))
+    await c.join()
+    joined = c.events.of("join")[0]
+    # the donor of highest priority (its start step; both 0 here: the larger peer id)
+    assert joined == {**joined, "step": 33, "state_from": "b", "sources": ["b", "b"], "bytes": 2 * 2 * 6 * 4}
+    assert _same(c, a)
+    assert all(torch.equal(c.params[n], c.core.diloco.global_state()[n]) for n in c.params)
+    await asyncio.gather(a.run(80), b.run(80), c.run(80))
+    assert [(t, p) for t, p, _ in c.syncs()] == [s for s in _starts(79) if s[0] > 33]  # 80's is in flight
+    assert all(e["outcome"] == "ok" and e["group_size"] == 3 for e in c.events.of("sync"))
+
+
+def _expect(steps: int, **until: int) -> list[tuple[int, int, str]]:
+    """The rounds of a run of `steps` steps, each with the outcome of the phase it starts in:
+    `until` maps outcomes, in order, to the last start step of their phase (`ok_again`: `ok`)."""
+    bounds = list(until.items())
+    out = []
+    for t, p in _starts(steps):
+        outcome = next(o for o, last in bounds if t <= last)
+        out.append((t, p, outcome.removesuffix("_again")))
+    return out
