@@ -12,11 +12,13 @@ from collections.abc import Callable
 
 import torch
 from islands.node.config import Config
-from islands.node.island import IslandCore, IslandRole
+from islands.node.contact import ContactClock
+from islands.node.island import IslandCore, IslandRole, SatelliteRole
 from islands.node.net.averaging import STALE_WEIGHT
 from islands.node.network import Status
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, DiLoCoConfig, RoundResult
+from islands.protocols.outer import fold_deposits
 from islands.protocols.records import IslandRecord, expected_group, live_records
 
 POLL_S = 0.5
@@ -70,8 +72,10 @@ class Board:
 class FakeNetwork:
     """What the island core asks of its network (node/network.py), over a Board."""
 
-    def __init__(self, board: Board, peer_id: str, cfg: Config, role: str = "island"):
-        self.board, self.peer_id, self.cfg, self.role = board, peer_id, cfg, role
+    def __init__(self, board: Board, peer_id: str, cfg: Config, contact: ContactClock | None = None):
+        """`contact`: a satellite's windows; out of them it neither publishes nor reads records."""
+        self.board, self.peer_id, self.cfg, self.contact = board, peer_id, cfg, contact
+        self.role = "island" if contact is None else "satellite"
         fragments = cfg.diloco.fragments
         self.status = Status(next_sync=[0] * fragments, last_sync=[{} for _ in range(fragments)])
         self.peers: dict[str, IslandRecord] = {}
@@ -91,11 +95,12 @@ class FakeNetwork:
         )
 
     async def refresh(self) -> None:
-        self.board.store(self.record())
-        self.peers = self.board.read(self.peer_id)
+        self.report()
 
     def report(self) -> None:
         """Every step: this island's record is published and the others' read (no refresh period)."""
+        if self.contact is not None and not self.contact.in_contact():
+            return
         self.board.store(self.record())
         self.peers = self.board.read(self.peer_id)
 
@@ -193,6 +198,8 @@ class Hub:
         self.crash: dict[tuple[int, int], str] = {}
         """(fragment, round) -> the member that dies in that round, once it has contributed."""
         self.states: dict[str, tuple[Callable, float]] = {}
+        self.deposits: dict[tuple[str, int], list[Contribution]] = {}
+        """(island, fragment) -> satellites' contributions deposited with it, not yet folded in."""
         self.log: list[tuple] = []
 
     def kill(self, peer: str) -> None:
@@ -227,13 +234,27 @@ class FakeRounds:
         pass
 
     def fold_deposits(self, c: Contribution) -> Contribution:
-        return c
+        kept = self.hub.deposits.pop((self.network.peer_id, c.fragment), [])
+        if not kept:
+            return c
+        delta, weight = fold_deposits(c.delta, c.weight, [(d.delta, d.weight) for d in kept])
+        return dataclasses.replace(c, delta=delta, weight=weight, deposits=len(kept))
+
+    def _deposit(self, c: Contribution) -> RoundResult:
+        """A satellite's round: its contribution left with the first live island it sees."""
+        islands = sorted(p for p, r in self.network.live().items() if r.role == "island" and r.state == "training")
+        if not islands:
+            return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
+        self.hub.deposits.setdefault((islands[0], c.fragment), []).append(c)
+        return RoundResult(outcome="ok", delta=c.delta, group_size=2, weight=c.weight, staleness=c.staleness, deposited_with=islands[0])
 
     def _members(self) -> set[str]:
         return {self.network.peer_id} | {p for p, r in self.network.live().items() if r.role == "island"}
 
     async def average(self, c: Contribution, wait_s: float | None = None) -> RoundResult:
         me = self.network.peer_id
+        if self.network.contact is not None:
+            return self._deposit(c)
         failed = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         if self.network.expected_group() <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)
@@ -315,16 +336,19 @@ class ToyIsland:
     """An island of the in-process tier: two fragments of six values, an inner step that pulls
     them towards this island's own target, the real island core, a fake network and rounds."""
 
-    def __init__(self, name: str, board: Board, hub: Hub, cfg: Config, target: float):
+    def __init__(self, name: str, board: Board, hub: Hub, cfg: Config, target: float, contact: str | None = None):
+        """`contact`: a satellite's windows (e.g. "up 10s every 30s") on the board's clock."""
         self.name = name
         self.cfg = cfg
         self.target = {n: torch.full((6,), target) + torch.arange(6.0) * 0.1 for n in ("a", "b")}
         self.params = {n: torch.zeros(6) for n in ("a", "b")}
-        self.network = FakeNetwork(board, name, cfg)
+        clock = None if contact is None else ContactClock(contact, clock=board.clock)
+        role = IslandRole() if clock is None else SatelliteRole(clock)
+        self.network = FakeNetwork(board, name, cfg, clock)
         self.events = Events()
         self.totals = {"bytes_sent": 0, "bytes_recv": 0, **{f"syncs_{o}": 0 for o in ("ok", "solo", "failed", "skipped_no_contact", "rejected")}}
         self.core = IslandCore(
-            cfg, LAYOUT, self.params, self.network, IslandRole(), self.events, self.totals, _run_torch,
+            cfg, LAYOUT, self.params, self.network, role, self.events, self.totals, _run_torch,
             rounds=FakeRounds(hub, self.network),
         )
         self.hub = hub
@@ -348,6 +372,7 @@ class ToyIsland:
     async def run(self, until: int) -> None:
         """Train to step `until`, or until this island dies (Hub.crash): then its record stops."""
         while self.step < until:
+            self.step = await self.core.before_step(self.step)
             self.train()
             self.step += 1
             self.network.clock.advance(STEP_S)

@@ -142,3 +142,31 @@ def _expect(steps: int, **until: int) -> list[tuple[int, int, str]]:
         outcome = next(o for o, last in bounds if t <= last)
         out.append((t, p, outcome.removesuffix("_again")))
     return out
+
+
+async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it():
+    """A satellite in contact 10 s of every 30 s (the clock runs 1.5 s a step of the three):
+    out of contact its rounds are skipped and it keeps accumulating; in contact it leaves its
+    progress with an island, whose next round of that fragment folds it in; the islands' rounds
+    are pairs throughout, and the satellite takes no part in the end-of-run agreement."""
+    board, hub = Board(Clock()), Hub()
+    a, b = (ToyIsland(n, board, hub, config(steps=120), t) for n, t in (("a", 1.0), ("b", -1.0)))
+    spec = "up 10s every 30s"
+    sat = ToyIsland("s", board, hub, config(steps=120, role="satellite", contact=spec), 0.5, contact=spec)
+    for island in (a, b, sat):
+        await island.join()
+    await asyncio.gather(a.run(120), b.run(120), sat.run(120))
+    await asyncio.gather(a.leave(), b.leave(), sat.leave())
+    for island in (a, b):
+        assert island.syncs() == _expect(120, ok=120)
+        assert all(e["group_size"] == 2 for e in island.events.of("sync"))
+    theirs = sat.events.of("sync")
+    assert {(e["outcome"], e["policy"]) for e in theirs} == {("skipped_no_contact", "accumulate"), ("ok", "deposited")}
+    deposited = [e for e in theirs if e["outcome"] == "ok"]
+    assert all(e["group_size"] == 2 for e in deposited)
+    # every deposit reached a round of the island it was left with (the first by peer id here)
+    assert sum(e["deposits"] for e in a.events.of("sync")) == len(deposited) >= 4
+    assert sum(e["deposits"] for e in b.events.of("sync")) == 0
+    assert [e["in_contact"] for e in sat.events.of("contact")][:4] == [True, False, True, False]
+    assert sat.events.of("agree") == [] and a.events.of("agree")[0]["fragments"] == ["ok", "ok"]
+    assert _same(a, b)
