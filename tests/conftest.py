@@ -8,6 +8,15 @@ from .procs import NodeProcess
 settings.register_profile("islands", deadline=None)
 settings.load_profile("islands")
 
+NETWORK_FIXTURES = {"nodes", "relays"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that starts nodes or relays is a `network` test (the others mark themselves)."""
+    for item in items:
+        if NETWORK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.network)
+
 
 @pytest.fixture
 def nodes():

@@ -9,7 +9,7 @@ from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
 from islands.node.net.dht import SwarmDHT
 from islands.protocols.consensus import fingerprint
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
 SHAPES = [[("w", (64, 32)), ("b", (32,))]]
 TIMEOUTS = AveragingTimeouts(match_wait_s=3.0, allreduce_s=20.0, next_chunk_s=5.0)

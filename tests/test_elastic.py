@@ -12,7 +12,7 @@ from islands.protocols.records import IslandRecord, redial_targets, remember
 from .procs import RelayProcess, free_port
 from .test_swarm import SCHEDULE, _first, _max_diff
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
@@ -162,6 +162,7 @@ def test_graceful_leave_is_bounded_and_withdraws_at_once(nodes, tmp_path):
     after = [s for s in a.of("sync") if s["step"] > left_at + 10]
     assert after and all(s["outcome"] == "solo" and s["seconds"] < 1 for s in after), after
     assert took < 4 + 30, took  # leave bound, plus the final evaluation and shutdown
+@pytest.mark.slow
 def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_path):
     common = [*SCHEDULE, "--steps", "300", "--run-id", "restart", "--match-wait-s", "3"]
     a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "2"])
@@ -180,6 +181,7 @@ def test_restarted_island_catches_up_and_ends_with_the_others_model(nodes, tmp_p
     assert tail and _average_together(tail), tail
 
 
+@pytest.mark.slow
 def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, tmp_path):
     common = [*SCHEDULE, "--steps", "240", "--run-id", "orbit", "--match-wait-s", "3"]
     a, join = _first(nodes, tmp_path, [*common, "--wait-islands", "3"])
@@ -209,6 +211,7 @@ def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, t
     assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4
 
 
+@pytest.mark.slow
 def test_partition_and_heal_end_with_one_model(nodes, relays, tmp_path):
     """Each island behind its own relay; stopping both relays cuts every link between them."""
     ports = free_port(), free_port()

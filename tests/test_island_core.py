@@ -170,3 +170,19 @@ async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it
     assert [e["in_contact"] for e in sat.events.of("contact")][:4] == [True, False, True, False]
     assert sat.events.of("agree") == [] and a.events.of("agree")[0]["fragments"] == ["ok", "ok"]
     assert _same(a, b)
+
+
+async def test_a_restarted_island_behind_the_swarm_catches_up_and_ends_with_its_model():
+    """B is back from its checkpoint at step 12 while A is at 40: B takes A's state and step,
+    averages with A from its next round on, and the two end with one model."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=80)
+    await a.join()
+    await a.run(40)
+    b.step = 12  # resumed from its checkpoint (the resumed state itself is the checkpoint tests')
+    await b.join()
+    assert b.events.of("join")[0]["step"] == 40 and _same(a, b)
+    await asyncio.gather(a.run(80), b.run(80))
+    await asyncio.gather(a.leave(), b.leave())
+    assert b.syncs() == [(t, p, "ok") for t, p in _starts(80) if t > 40]
+    assert [o for t, _, o in a.syncs() if t > 40] == ["ok"] * 8
+    assert _same(a, b)

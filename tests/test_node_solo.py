@@ -114,6 +114,7 @@ def _make_checkpoint(tmp_path, capsys) -> "object":
     return run
 
 
+@pytest.mark.network
 def test_truncated_checkpoint_is_refused_untouched(capsys, tmp_path):
     run = _make_checkpoint(tmp_path, capsys)
     f = run / "checkpoint" / "global.safetensors"
@@ -125,6 +126,7 @@ def test_truncated_checkpoint_is_refused_untouched(capsys, tmp_path):
     assert {p.name: p.read_bytes() for p in (run / "checkpoint").iterdir()} == before
 
 
+@pytest.mark.network
 def test_foreign_checkpoint_is_refused(capsys, tmp_path):
     run = _make_checkpoint(tmp_path, capsys)
     assert main(["--steps", "4", "--window", "12", "--fragments", "4", "--seq-len", "64", "--run-dir", str(run)], environ={}) == 2
@@ -175,6 +177,7 @@ def test_sigkill_of_the_node_takes_its_daemons_down(nodes, tmp_path):
     assert not _group(pgid)
 
 
+@pytest.mark.network
 def test_identity_keeps_the_peer_id(capsys, tmp_path):
     key = tmp_path / "id.key"
     ids = []

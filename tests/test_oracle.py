@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from islands.node.cli import main
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
 RECORD = Path(__file__).parent / "data" / "oracle_solo.json"
 ARGV = ["--steps", "40", "--window", "10", "--fragments", "2", "--seq-len", "64", "--batch-size", "4",

@@ -50,6 +50,7 @@ def test_a_rank_that_ended_badly_is_reported_with_its_log(tmp_path, caplog):
     assert 'File "x.py", line 3 in f' in text and "Extension modules" not in text
 
 
+@pytest.mark.network
 def test_the_rank_protocol_refuses_a_second_thread(monkeypatch):
     """A read of a sharded fragment from another thread would interleave its collectives with the
     driving thread's: the protocol raises instead (a group of one rank, in this process)."""
@@ -125,6 +126,7 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
         group.close()
 
 
+@pytest.mark.network
 def test_a_sharded_island_gathers_and_scatters_a_fragment_exactly(tmp_path):
     mp.start_processes(_sharded_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))

@@ -6,7 +6,7 @@ import time
 import pytest
 from islands.node.relay import PROFILES, LinkProfile, Relay, departure
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(60)]
 
 
 def test_departure_paces_chunks_at_the_rate():

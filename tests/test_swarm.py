@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
 SCHEDULE = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0"]
 

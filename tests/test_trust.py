@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from .procs import NODE
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
 COMMON = ["--window", "20", "--fragments", "4", "--listen", "/ip4/127.0.0.1/tcp/0", "--run-id", "guarded"]
 HOSTILE = [sys.executable, "-m", "tests.hostile", "mixed"]
