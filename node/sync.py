@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from islands.protocols.consensus import TOLERANCE, fragments_to_heal
 from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
+from islands.protocols.policy import after_failed_rebase, after_round
 
 if TYPE_CHECKING:
     from islands.node.net.averaging import AveragingTimeouts
@@ -140,39 +141,24 @@ class FragmentSync:
         except Exception as e:  # noqa: BLE001 - any failure falls back to solo
             logger.warning("fragment %d round %d failed: %r", fragment, c.round, e)
             result = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
+        plan = after_round(result.outcome, result.deposited_with is not None, result.consensus, c.staleness, self.diloco.satellite)
+        if plan.action == "rebase" and not await self._rebase(fragment, c.round, result.delta):
+            plan = after_failed_rebase(self.diloco.satellite)
         consensus = None
-        if result.deposited_with is not None:
-            # a satellite's progress is with an island now: it takes the swarm's values as its base
-            policy = "deposited"
+        if plan.action == "take_swarm":
             result.bytes_recv += await self._take_swarm(fragment, c)
-        elif result.outcome != "ok" and self.diloco.satellite:
-            # a satellite does not apply its own update alone: it contributes it at its next round
+        elif plan.action == "accumulate":
             self.diloco.keep_accumulating(c)
-            policy = "accumulate"
-        elif result.outcome == "ok" and c.staleness and not result.consensus:
-            # averaged, but against a base the swarm no longer has: take the swarm's agreed fragment
-            # and apply the round to it; the island's own progress stays in its local values
-            if await self._rebase(fragment, c.round, result.delta):
-                policy = "rebased"
-            elif self.diloco.satellite:
-                self.diloco.keep_accumulating(c)
-                policy = "accumulate"
-            else:  # still stale: the next round counts it ~0 again
-                await self._run_torch(self.diloco.apply, fragment, None, result.delta, self.params)
-                policy = "averaged"
-        else:
-            # a stale member's base is about to be replaced by the group's: mix after that
-            late_mix = bool(result.consensus and c.staleness)
-            alone = result.outcome != "ok"
-            await self._run_torch(self.diloco.apply, fragment, c.round, result.delta, self.params, not late_mix, alone)
-            policy = "averaged" if result.outcome == "ok" else "own_update"
-            if result.outcome == "ok" and not result.consensus:
+        elif plan.action == "apply":
+            round_ = c.round if plan.advance_round else None
+            await self._run_torch(self.diloco.apply, fragment, round_, result.delta, self.params, plan.mix_local, plan.alone)
+            if plan.settle:
                 self.diloco.settled(fragment)
-            if result.consensus and deadline is None:  # leaving: the others heal without this island
+            if plan.heal and deadline is None:  # leaving: the others heal without this island
                 consensus, extra_bytes = await self._consensus(fragment, c.round, stale=c.staleness > 0)
                 result.bytes_sent += extra_bytes
                 result.bytes_recv += extra_bytes
-            if late_mix:
+            if not plan.mix_local:
                 await self._run_torch(self.diloco.mix_local, fragment, self.params)
         self.diloco.count(fragment, result.outcome)
         self.on_sync(
@@ -182,7 +168,7 @@ class FragmentSync:
                 "applied_step": step,
                 "round": c.round,
                 "outcome": result.outcome,
-                "policy": policy,
+                "policy": plan.policy,
                 "group_size": result.group_size,
                 "weight": c.weight,
                 "group_weight": result.weight,

@@ -11,6 +11,7 @@ from islands.protocols.outer import (
     token_weight,
     weighted_average,
 )
+from islands.protocols.policy import Plan, after_failed_rebase, after_round
 from islands.protocols.schedule import (
     Schedule,
     check_schedule,
@@ -321,3 +322,28 @@ def test_the_schedule_says_what_happens_at_each_step():
     with pytest.raises(ValueError, match="overlap 5 must be below"):
         Schedule(window=20, fragments=4, overlap=5)
     assert DiLoCoConfig(window=20, fragments=4).schedule == Schedule(20, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "outcome, deposited, consensus, staleness, satellite, expected",
+    [
+        ("ok", False, False, 0, False, Plan("apply", "averaged", settle=True)),
+        ("ok", False, True, 0, False, Plan("apply", "averaged", heal=True)),
+        ("ok", False, True, 2, False, Plan("apply", "averaged", mix_local=False, heal=True)),
+        ("ok", False, False, 2, False, Plan("rebase", "rebased")),
+        ("ok", False, False, 2, True, Plan("rebase", "rebased")),
+        ("solo", False, False, 0, False, Plan("apply", "own_update", alone=True)),
+        ("failed", False, False, 3, False, Plan("apply", "own_update", alone=True)),
+        ("rejected", False, False, 0, False, Plan("apply", "own_update", alone=True)),
+        ("failed", False, False, 0, True, Plan("accumulate", "accumulate")),
+        ("skipped_no_contact", False, False, 0, True, Plan("accumulate", "accumulate")),
+        ("ok", True, False, 1, True, Plan("take_swarm", "deposited")),
+    ],
+)
+def test_the_plan_after_a_round(outcome, deposited, consensus, staleness, satellite, expected):
+    assert after_round(outcome, deposited, consensus, staleness, satellite) == expected
+
+
+def test_after_a_failed_rebase_an_island_applies_to_its_stale_base_and_a_satellite_waits():
+    assert after_failed_rebase(satellite=False) == Plan("apply", "averaged", advance_round=False)
+    assert after_failed_rebase(satellite=True) == Plan("accumulate", "accumulate")
