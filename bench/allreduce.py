@@ -44,8 +44,9 @@ def _row(backend: str, peers: int, mb: float, round_: int, outcome: str, group: 
 
 def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, part_size_bytes: int, maddrs, barrier, results) -> None:
     import torch
-    from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
+    from islands.node.net.averaging import FragmentAveraging
     from islands.node.net.dht import SwarmDHT
+    from islands.node.timeouts import Timeouts
     from islands.protocols.diloco import Contribution
 
     torch.set_num_threads(1)
@@ -58,7 +59,7 @@ def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, pa
     shapes = [[("x", (_numel(mb),))] for mb in sizes_mb]
     averaging = FragmentAveraging(
         swarm.dht, RUN_ID, shapes, "none", expected_group=lambda: peers,
-        timeouts=AveragingTimeouts(match_wait_s=10.0, allreduce_s=120.0, next_chunk_s=60.0), part_size_bytes=part_size_bytes,
+        timeouts=Timeouts(match_wait_s=10.0, allreduce_s=120.0, next_chunk_s=60.0), part_size_bytes=part_size_bytes,
     )
 
     async def run() -> None:

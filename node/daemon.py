@@ -29,11 +29,12 @@ from . import checkpoint as ckpt_io
 from .config import Config
 from .events import EventLog, rotate
 from .files import write_lines
-from .island import JOIN_TIMEOUT_S, IslandCore, IslandRole, SatelliteRole, make_role
+from .island import IslandCore, IslandRole, SatelliteRole, make_role
 from .metrics import Metrics
 from .network import ManifestMismatch, Network, NetworkError
 from .progress import Progress
-from .ranks import TIMEOUT_S, RankEnv, RankFailure, RankGroup, pick_device
+from .ranks import RankEnv, RankFailure, RankGroup, pick_device
+from .timeouts import Timeouts
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,8 @@ def build_model(cfg: Config) -> tuple[Transformer, list[list[str]], dict]:
 
 
 def rank_timeout_s(cfg: Config) -> float:
-    """How long a collective may wait: the followers wait at the first one while rank 0 waits for
-    islands (--wait-timeout-s) and downloads the swarm's state."""
-    return max(TIMEOUT_S, cfg.net.wait_timeout_s + cfg.diloco.fragments * JOIN_TIMEOUT_S + 60.0)
+    """How long a collective between the island's ranks may wait (Timeouts.ranks_wait_s)."""
+    return Timeouts.from_config(cfg).ranks_wait_s(cfg.diloco.fragments)
 
 
 def follow(cfg: Config, env: RankEnv) -> int:

@@ -24,12 +24,10 @@ from .metrics import Metrics
 from .network import Network
 from .progress import Progress
 from .sync import FragmentSync, Rounds
+from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-ROUND_TIMEOUT_S = 150.0  # above the longest match wait (x2) plus the all-reduce timeout
-JOIN_TIMEOUT_S = 30.0
-END_COMPARE_TIMEOUT_S = 30.0  # at the end, how long an island waits for the others' fingerprints (each look)
 
 
 class IslandRole:
@@ -103,6 +101,7 @@ class IslandCore:
         self.metrics = metrics
         self.run_torch = run_torch
         self.schedule = cfg.diloco.schedule
+        self.timeouts = Timeouts.from_config(cfg)
         self.diloco = StreamingDiLoCo(cfg.diloco, layout, params, satellite=role.satellite)
         self.sync: FragmentSync | None = None
         self._refreshes: set[asyncio.Future] = set()
@@ -111,13 +110,12 @@ class IslandCore:
 
     async def wait_for_islands(self, shutdown: Callable[[], bool], progress: Progress) -> None:
         """--wait-islands: wait (bounded) until that many islands are in the swarm."""
-        net = self.cfg.net
+        want, timeout_s = self.cfg.net.wait_islands, self.timeouts.wait_timeout_s
         seen = await self.network.wait_for_islands(
-            net.wait_islands, net.wait_timeout_s, shutdown,
-            Changed(lambda n: progress.note(f"waiting for islands: {n} of {net.wait_islands} here")),
+            want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} here")),
         )
-        if seen < net.wait_islands:
-            progress.note(f"only {seen} of {net.wait_islands} islands after {net.wait_timeout_s:g}s; training anyway")
+        if seen < want:
+            progress.note(f"only {seen} of {want} islands after {timeout_s:g}s; training anyway")
 
     async def catch_up(self, step: int, progress: Progress) -> int | None:
         """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
@@ -160,7 +158,7 @@ class IslandCore:
         that did not come or did not fit."""
         got = []
         for p in range(self.schedule.fragments):
-            item = await self.rounds.download(p, timeout_s=JOIN_TIMEOUT_S)
+            item = await self.rounds.download(p, timeout_s=self.timeouts.join_s)
             if item is None:
                 break
             meta, tensors = item
@@ -195,7 +193,7 @@ class IslandCore:
         # an island may always round; a satellite's round that cannot start is `skipped_no_contact`
         can_round = (lambda: self.role.may_round(self.network.round_budget_s)) if self.role.satellite else None
         self.sync = FragmentSync(
-            self.diloco, self.rounds, self.params, self._on_sync, ROUND_TIMEOUT_S, run_torch=self.run_torch,
+            self.diloco, self.rounds, self.params, self._on_sync, self.timeouts, run_torch=self.run_torch,
             can_round=can_round,
         )
 
@@ -259,20 +257,20 @@ class IslandCore:
 
     async def flush(self, step: int, leaving: bool) -> None:
         """Finish the rounds in flight and apply them; `leaving` on a signal: within --leave-timeout-s."""
-        await self.sync.flush(step, budget_s=self.cfg.net.leave_timeout_s if leaving else None)
+        await self.sync.flush(step, budget_s=self.timeouts.leave_timeout_s if leaving else None)
 
     async def agree(self, step: int, shutdown: Callable[[], bool], progress: Progress) -> None:
         """At the end of the run, with the others: wait for them to finish, then one last round of
         every fragment, healed where the islands' agreed values still differ (FragmentSync.agree)."""
         if self.role.satellite or self.network.expected_group() <= 1:
             return
-        net = self.cfg.net
-        ready = await self.network.wait_for_end(step, net.end_wait_s, shutdown, Changed(
-            lambda behind: progress.note(f"waiting up to {net.end_wait_s:g} s for {behind} island(s) to finish, to agree the model")
+        wait_s = self.timeouts.end_wait_s
+        ready = await self.network.wait_for_end(step, wait_s, shutdown, Changed(
+            lambda behind: progress.note(f"waiting up to {wait_s:g} s for {behind} island(s) to finish, to agree the model")
         ))
 
         async def compare(look: int, fingerprints: list[list[float]]) -> list[list[list[float]]]:
-            return await self.network.compare_final(look, fingerprints, ready, END_COMPARE_TIMEOUT_S)
+            return await self.network.compare_final(look, fingerprints, ready, self.timeouts.end_compare_s)
 
         last_rounds, verdicts, agree_bytes = await self.sync.agree(step, compare)
         self.totals["bytes_sent"] += agree_bytes

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.node.net.authorizer import RefusalLog
-from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
+from islands.node.net.averaging import FragmentAveraging
 from islands.node.net.dht import SwarmDHT, dht_now
 from islands.node.net.signing import IdentityError
 from islands.protocols.admission import SwarmKeyError, key_file_exposed, load_swarm_key
@@ -33,6 +33,7 @@ from islands.protocols.records import (
 
 from .config import Config
 from .contact import ContactClock
+from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Network:
         self.manifest = manifest
         self.shapes = shapes
         self.version = version
+        self.timeouts = Timeouts.from_config(cfg)
         self.status = Status(next_sync=[0] * cfg.diloco.fragments, last_sync=[{} for _ in range(cfg.diloco.fragments)])
         self.dht: SwarmDHT | None = None
         self.averaging: FragmentAveraging | None = None
@@ -127,13 +129,13 @@ class Network:
                 hint = (" (no peer accepted this node's --swarm-key: is it the swarm's?)" if swarm_key
                         else " (if the swarm runs with --swarm-key, give this node the same)")
             raise NetworkError(f"cannot start the DHT{joined}: {e}{hint}") from None
-        self._maddrs = await asyncio.wait_for(asyncio.to_thread(self.dht.visible_maddrs), timeout=30)
+        self._maddrs = await asyncio.wait_for(asyncio.to_thread(self.dht.visible_maddrs), timeout=self.timeouts.start_s)
         _ = self.dht.peer_id  # cached by hivemind after the first call
         await self._check_manifest()
         # in the main thread: hivemind's averagers set signal handlers as they start
         self.averaging = FragmentAveraging(
             self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
-            self.expected_group, AveragingTimeouts(match_wait_s=net.match_wait_s),
+            self.expected_group, self.timeouts,
             peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
             follower=self.contact is not None, swarm_key=swarm_key, on_refused=self.refusals,
             deposit_targets=self.deposit_targets,
@@ -229,13 +231,13 @@ class Network:
         for peer in back:
             logger.info("peer %s is reachable again: back in the DHT", peer)
 
-    async def read_peers(self, timeout_s: float = 0.5) -> None:
+    async def read_peers(self, timeout_s: float | None = None) -> None:
         """Read everyone's records (without publishing this island's), bounded tightly: it runs
         before every round, and a slow read must not make this island late for the round."""
         if self._out_of_contact():
             return
         try:
-            self._read(await asyncio.wait_for(self.dht.islands(), timeout=timeout_s))
+            self._read(await asyncio.wait_for(self.dht.islands(), timeout=timeout_s or self.timeouts.records_read_s))
         except Exception as e:  # noqa: BLE001 - keep the last view
             logger.info("reading the island records failed: %r", e)
 
@@ -328,7 +330,7 @@ class Network:
                 return {p for p, r in others.items() if r.step >= step}
             on_wait(len(behind))
             await asyncio.sleep(0.5)
-            await self.read_peers(timeout_s=2.0)
+            await self.read_peers(timeout_s=self.timeouts.end_read_s)
 
     async def compare_final(self, check: int, fps: list[list[float]], peers: set[str], timeout_s: float) -> list[list[list[float]]]:
         """Publish this island's fingerprints of its agreed fragments after its `check`-th look at the
@@ -344,7 +346,7 @@ class Network:
             if not waiting or time.monotonic() >= deadline:
                 return [f["fp"] for f in posted.values()]
             await asyncio.sleep(0.3)
-            await self.read_peers(timeout_s=2.0)
+            await self.read_peers(timeout_s=self.timeouts.end_read_s)
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""
@@ -363,7 +365,7 @@ class Network:
             return
         self.status.state = "left"
         try:
-            await asyncio.wait_for(self.dht.store_island(self.record()), timeout=3)
+            await asyncio.wait_for(self.dht.store_island(self.record()), timeout=self.timeouts.withdraw_s)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             logger.info("could not withdraw the island record: %r", e)
 

@@ -53,9 +53,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .timeouts import Timeouts
+
 logger = logging.getLogger(__name__)
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = Timeouts.ranks_s
 """A collective that does not complete in this long (a frozen rank) fails, at the least (the daemon
 allows for rank 0's wait for islands and its download before the first step)."""
 

@@ -21,7 +21,7 @@ from islands.protocols.diloco import Contribution, RoundResult, StreamingDiLoCo
 from islands.protocols.policy import after_failed_rebase, after_round
 
 if TYPE_CHECKING:
-    from islands.node.net.averaging import AveragingTimeouts
+    from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ class Rounds(Protocol):
     def prefetch(self) -> None: ...
 
     compression: str
-    timeouts: AveragingTimeouts
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult: ...
 
@@ -70,7 +69,7 @@ class FragmentSync:
         averager: Rounds,
         params: Mapping[str, torch.Tensor],
         on_sync: Callable[[dict], None],
-        round_timeout_s: float,
+        timeouts: Timeouts,
         run_torch: Callable[..., Awaitable],
         clock: Callable[[], float] = time.monotonic,
         can_round: Callable[[], bool] | None = None,
@@ -81,7 +80,8 @@ class FragmentSync:
         self.averager = averager
         self.params = params
         self.on_sync = on_sync
-        self.round_timeout_s = round_timeout_s
+        self.timeouts = timeouts
+        self.round_timeout_s = timeouts.round_s
         self._clock = clock
         self._run_torch = run_torch
         self.can_round = can_round
@@ -186,7 +186,7 @@ class FragmentSync:
     async def _download(self, fragment: int) -> tuple[dict, dict, int, int] | str:
         """The fragment's (agreed values, momentum, round, bytes) from the island of highest
         priority that answers, or why none came."""
-        item = await self.averager.download(fragment, timeout_s=min(30.0, self.round_timeout_s))
+        item = await self.averager.download(fragment, timeout_s=self.timeouts.download_s)
         if item is None:
             return "no state came"
         meta, tensors = item
@@ -267,7 +267,7 @@ class FragmentSync:
         fragment's next round number, which no training round of this run uses; its result is
         applied without an outer step (StreamingDiLoCo.apply_last). The islands have waited for one
         another to finish (Network.wait_for_end), so these rounds wait long for every live island
-        (AveragingTimeouts.end_wait_s) and start as soon as all are in.
+        (Timeouts.last_round_match_s) and start as soon as all are in.
 
         Then the islands compare their agreed values: `compare(n, fingerprints)` publishes this
         island's fingerprint of each fragment (n-th look) and returns the other finished islands'.
@@ -278,7 +278,7 @@ class FragmentSync:
         Returns each fragment's last-round outcome and verdict (`ok`: the islands' agreed values
         are the same; `failed`: they still differ), and the bytes sent (as many received)."""
         d = self.diloco
-        wait_s = self.averager.timeouts.end_wait_s
+        wait_s = self.timeouts.last_round_match_s
         contributions = []
         for p in range(d.cfg.fragments):
             # it starts after the last step (a round that started at `step` is over): the others'

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import types
 from collections.abc import Callable
 
 import torch
@@ -225,7 +224,6 @@ class FakeRounds:
     """The core's rounds (node/sync.Averager) over a Hub."""
 
     compression = "none"
-    timeouts = types.SimpleNamespace(end_wait_s=20.0)
 
     def __init__(self, hub: Hub, network: FakeNetwork):
         self.hub, self.network = hub, network

@@ -5,14 +5,15 @@ import time
 
 import pytest
 import torch
-from islands.node.net.averaging import AveragingTimeouts, FragmentAveraging
+from islands.node.net.averaging import FragmentAveraging
 from islands.node.net.dht import SwarmDHT
+from islands.node.timeouts import Timeouts
 from islands.protocols.consensus import fingerprint
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
 SHAPES = [[("w", (64, 32)), ("b", (32,))]]
-TIMEOUTS = AveragingTimeouts(match_wait_s=3.0, allreduce_s=20.0, next_chunk_s=5.0)
+TIMEOUTS = Timeouts(match_wait_s=3.0, allreduce_s=20.0, next_chunk_s=5.0)
 
 
 @pytest.fixture

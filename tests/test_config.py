@@ -135,3 +135,19 @@ def test_coerce_float_never_crashes(value):
     except ConfigError:
         return
     assert isinstance(out, float)
+
+
+def test_every_network_bound_is_in_one_timeouts_value():
+    import dataclasses
+
+    from islands.node.config import Config
+    from islands.node.timeouts import Timeouts
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, match_wait_s=3.0, wait_timeout_s=60.0, leave_timeout_s=4.0, end_wait_s=90.0))
+    t = Timeouts.from_config(cfg)
+    assert (t.match_wait_s, t.wait_timeout_s, t.leave_timeout_s, t.end_wait_s) == (3.0, 60.0, 4.0, 90.0)
+    assert t.last_round_match_s == 12.0 and t.download_s == 30.0
+    assert t.ranks_wait_s(4) == 300.0 and Timeouts(wait_timeout_s=400.0).ranks_wait_s(4) == 400.0 + 4 * 30.0 + 60.0
+    with pytest.raises(ValueError, match="round_s 100"):
+        Timeouts(round_s=100.0)  # below two longest match waits and the all-reduce

@@ -151,7 +151,7 @@ def test_a_satellite_deposits_with_live_islands_or_else_the_ones_it_saw_last():
 
 
 def test_a_round_waits_for_an_island_still_training_towards_it_but_not_for_a_dead_one():
-    from islands.node.net.averaging import AveragingTimeouts
+    from islands.node.timeouts import Timeouts
     from islands.protocols.records import arrival_s
 
     # 1024 tokens at 2048 tokens/s: 0.5 s a step, wall time
@@ -166,8 +166,8 @@ def test_a_round_waits_for_an_island_still_training_towards_it_but_not_for_a_dea
     fresh = _rec("fresh", step=0, time=100.0, tokens_per_s=0.0, step_seconds=0.25)
     assert arrival_s(4, [fresh], now=100.0) == 1.0
     # the end-of-run rounds wait for everyone (bounded)
-    assert AveragingTimeouts(match_wait_s=3.0).end_wait_s == 12.0
-    assert AveragingTimeouts(match_wait_s=30.0).end_wait_s == 40.0
+    assert Timeouts(match_wait_s=3.0).last_round_match_s == 12.0
+    assert Timeouts(match_wait_s=30.0).last_round_match_s == 40.0
 
 
 def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_them():
@@ -175,8 +175,8 @@ def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_the
     fingerprints the islands publish show it, so every island heals that fragment, then looks again."""
     import asyncio
 
-    from islands.node.net.averaging import AveragingTimeouts
     from islands.node.sync import FragmentSync
+    from islands.node.timeouts import Timeouts
     from islands.protocols.diloco import DiLoCoConfig, RoundResult, StreamingDiLoCo
 
     from .test_protocols_pure import _toy_model
@@ -186,7 +186,7 @@ def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_the
     diloco = StreamingDiLoCo(DiLoCoConfig(window=8, fragments=2, overlap=0), [names[:2], names[2:]], params)
 
     class Averager:
-        compression, timeouts = "none", AveragingTimeouts(match_wait_s=3.0)
+        compression = "none"
         healed: list[tuple[int, int, float]] = []
 
         def fold_deposits(self, c):
@@ -211,7 +211,7 @@ def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_the
         return fn(*args)
 
     averager = Averager()
-    sync = FragmentSync(diloco, averager, params, lambda record: None, 60.0, run_torch)
+    sync = FragmentSync(diloco, averager, params, lambda record: None, Timeouts(match_wait_s=3.0), run_torch)
     last_rounds, verdicts, sent = asyncio.run(sync.agree(40, compare))
     assert last_rounds == ["ok", "ok"] and verdicts == ["ok", "ok"] and looks == [1, 2]
     # fragment 1 only, in a consensus round of its own (after its last round, 1), waiting as long as the last rounds

@@ -38,6 +38,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
+from islands.node.timeouts import Timeouts
 from islands.protocols.admission import admission_tag, derive, tag_valid, untagged_members
 from islands.protocols.compression import BLOCK, dequantize_blockwise, quantize_blockwise
 from islands.protocols.consensus import TOLERANCE, consensus_needed
@@ -67,8 +68,6 @@ BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1 + 4 / BLOCK}
 
 
 PHASES = ("delta", "global", "momentum")
-PEERS_FRESH_S = 2.0
-"""A round counts the islands from records read at most this long before it starts."""
 PART_SIZE_BYTES = 2**21
 """A fragment crosses the wire in parts of this size. hivemind's default, 512 KiB, averaged 100 MB
 between two peers in 1.59 s here, 2 MiB in 1.23 s (bench.allreduce); a part must stay well below the
@@ -159,30 +158,6 @@ def allreduce_wire_bytes(num_values: int, group_size: int, compression: str) -> 
     if group_size <= 1:
         return 0
     return int(2 * num_values * BYTES_PER_VALUE[compression] * (group_size - 1) / group_size)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AveragingTimeouts:
-    match_wait_s: float = 5.0
-    """How long a round waits for the other islands before it runs with whoever came."""
-    allreduce_s: float = 30.0
-    """The all-reduce itself, once the group is formed."""
-    next_chunk_s: float = 15.0
-    """A peer that sends nothing for this long is dropped from the round."""
-    request_s: float = 1.0
-    """One matchmaking request, and the grace a member that joined a leader gives it after the
-    group's scheduled start. 2.5 s was tried (bench/README.md, bench.elastic): it removed a
-    split round next to a satellite, but a crash then cost more and in one suite run a
-    satellite took a slow island's place in a round."""
-    max_match_wait_s: float = 40.0
-    """The longest a round waits for the others after rounds that found nobody."""
-
-    @property
-    def end_wait_s(self) -> float:
-        """The match wait of the end-of-run rounds (FragmentSync.agree). The islands waited for one
-        another to finish first, so a round fills (and starts) as soon as all are in; a long wait
-        costs only when one is missing, and a short one could leave a late island out for good."""
-        return min(self.max_match_wait_s, 4 * self.match_wait_s)
 
 
 def reducer_spans(tensors: Sequence[torch.Tensor], peer_fractions: Sequence[float], kwargs: dict) -> dict[int, list[list[int]]]:
@@ -309,7 +284,7 @@ class FragmentAveraging:
         shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
         compression: str,
         expected_group: Callable[[], int],
-        timeouts: AveragingTimeouts = AveragingTimeouts(),
+        timeouts: Timeouts | None = None,
         peer_progress: Callable[[int], list[tuple[int, int]]] | None = None,
         arrival: Callable[[int], float] | None = None,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
@@ -346,7 +321,7 @@ class FragmentAveraging:
         self._records_read: asyncio.Future | None = None
         self._records_read_started = float("-inf")
         self.overlap = overlap
-        self.timeouts = timeouts
+        self.timeouts = timeouts = timeouts or Timeouts()
         self.wait_s = self._base_wait_s = timeouts.match_wait_s * (2 if follower else 1)
         """The current match wait: doubled after a round that found nobody (up to max_match_wait_s),
         so that an island that fell behind is waited for until it catches up; reset by a good round."""
@@ -441,7 +416,7 @@ class FragmentAveraging:
             self._start_records_read()
 
     async def _read_peers(self) -> None:
-        """The records as of at most PEERS_FRESH_S ago (a prefetched read, or a new one)."""
+        """The records as of at most Timeouts.records_fresh_s ago (a prefetched read, or a new one)."""
         if self.refresh_peers is None:
             return
         if self._records_read is None or not self._records_read_fresh():
@@ -449,7 +424,7 @@ class FragmentAveraging:
         await asyncio.shield(self._records_read)  # bounded inside refresh_peers
 
     def _records_read_fresh(self) -> bool:
-        return time.monotonic() - self._records_read_started <= PEERS_FRESH_S
+        return time.monotonic() - self._records_read_started <= self.timeouts.records_fresh_s
 
     def _start_records_read(self) -> None:
         self._records_read_started = time.monotonic()

@@ -26,6 +26,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+from islands.node.timeouts import Timeouts
 from islands.protocols.admission import namespace
 from islands.protocols.records import RECORD_TTL_S, IslandRecord, parse_island_record
 
@@ -35,8 +36,8 @@ from .signing import load_identity, owner_peer_id
 logger = logging.getLogger(__name__)
 
 MANIFEST_TTL_S = 300.0
-DHT_TIMEOUT_S = 10.0
-REDIAL_TIMEOUT_S = 4.0
+DHT_TIMEOUT_S = Timeouts.dht_s
+REDIAL_TIMEOUT_S = Timeouts.redial_s
 """How long a re-dial of lost peers may take (peers still cut off just do not answer)."""
 
 
