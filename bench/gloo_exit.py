@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-from islands.node.ranks import free_port
+from islands.node.workers import free_port
 
 from .common import parse, table, write
 

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from islands.node.ranks import rank_log_path
+from islands.node.workers import rank_log_path
 from safetensors.torch import load_file
 
 from tests.procs import Nodes

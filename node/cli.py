@@ -140,8 +140,9 @@ def _setup_logging(verbose: int) -> None:
 
 def _run_node(cfg, argv: list[str], environ: dict) -> int:
     from .daemon import Island, Shutdown, StartupError, follow
-    from .ranks import RankEnv, launch_workers, stop_workers
+    from .ranks import RankEnv
     from .supervise import start_watchdog
+    from .workers import launch_workers, stop_workers
 
     try:
         ranks = RankEnv.from_environ(environ)
@@ -221,7 +222,7 @@ def _event_loop_run(coro_fn) -> int:
 
 def entry() -> None:
     # a crash (SIGSEGV, SIGABRT, ...) leaves the Python stacks of every thread on stderr: a follower
-    # rank's stderr is its log (ranks.rank_log_path), rank 0 points there when a rank fails. In the
+    # rank's stderr is its log (workers.rank_log_path), rank 0 points there when a rank fails. In the
     # process entry point only: main() also runs in-process, where stderr may have no descriptor.
     faulthandler.enable(all_threads=True)
     sys.exit(main())

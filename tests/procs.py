@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.node.events import EventTail
-from islands.node.ranks import free_port  # noqa: F401 - the tests' and benchmarks' too
+from islands.node.workers import free_port  # noqa: F401 - the tests' and benchmarks' too
 
 NODE = [sys.executable, "-m", "islands.node"]
 

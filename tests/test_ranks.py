@@ -11,17 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from islands.models.transformer import Transformer, model_config
-from islands.node.ranks import (
-    RankEnv,
-    RankGroup,
-    Worker,
-    exit_description,
-    fragment_mask,
-    free_port,
-    mask_fragments,
-    rank_log_path,
-    stop_workers,
-)
+from islands.node.ranks import RankEnv, RankGroup, fragment_mask, mask_fragments
+from islands.node.workers import Worker, exit_description, free_port, rank_log_path, stop_workers
 from islands.protocols.fragments import split_fragments
 from safetensors.torch import load_file
 
