@@ -139,7 +139,8 @@ def _setup_logging(verbose: int) -> None:
 
 
 def _run_node(cfg, argv: list[str], environ: dict) -> int:
-    from .daemon import Island, Shutdown, StartupError, follow
+    from .daemon import Shutdown, StartupError, follow
+    from .loop import Island
     from .ranks import RankEnv
     from .supervise import start_watchdog
     from .workers import launch_workers, stop_workers
