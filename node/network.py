@@ -26,9 +26,13 @@ from islands.protocols.records import (
     choose_shard,
     deposit_candidates,
     expected_group,
+    furthest,
     live_records,
+    other_islands,
+    peer_progress,
     redial_targets,
     remember,
+    swarm_step,
 )
 
 from .config import Config
@@ -259,18 +263,11 @@ class Network:
 
     def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
         """The live islands (satellites excluded) other than this node; by default only those training."""
-        return {
-            p: r for p, r in self.live().items()
-            if p != self.peer_id and r.role == "island" and (r.state == "training" or not training)
-        }
+        return other_islands(self.peer_id, self.live(), training)
 
     def peer_progress(self, fragment: int) -> list[tuple[int, int]]:
         """(step, start step of the last round applied to `fragment`) of the other live, training islands."""
-        out = []
-        for r in self._other_islands().values():
-            last = r.last_sync[fragment] if fragment < len(r.last_sync) else {}
-            out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
-        return out
+        return peer_progress(self._other_islands().values(), fragment)
 
     def arrival_s(self, step: int) -> float:
         """How long until the last live, training island still short of `step` gets there (records.arrival_s)."""
@@ -291,12 +288,7 @@ class Network:
 
     def swarm_step(self) -> int | None:
         """The furthest live island's step now, extrapolated from its record by its recent pace."""
-        now, best = dht_now(), None
-        for r in self._other_islands().values():
-            steps_per_s = r.tokens_per_s / r.batch_tokens if r.batch_tokens > 0 else 0.0  # wall pace, stalls included
-            guess = r.step + int(max(0.0, now - r.time) * steps_per_s)
-            best = guess if best is None else max(best, guess)
-        return best
+        return swarm_step(self._other_islands().values(), dht_now())
 
     def peer_step_seconds(self) -> list[float]:
         """The other live, training islands' step times (compute only) from their records."""
@@ -350,11 +342,7 @@ class Network:
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""
-        others = [(r.step, p) for p, r in self._other_islands().items()]
-        if not others:
-            return None
-        step, peer = max(others)
-        return peer, step
+        return furthest(self._other_islands())
 
     def choose_shard(self) -> int:
         return choose_shard(self.peer_id, {**self.live(), self.peer_id: self.record()}, self.cfg.data.num_shards)

@@ -164,3 +164,36 @@ def choose_shard(me: str, records: Mapping[str, IslandRecord], num_shards: int) 
     free = [s for s in range(num_shards) if s not in claimed] or list(range(num_shards))
     starting = sorted({p for p, r in records.items() if r.state == "starting"} | {me})
     return free[starting.index(me) % len(free)]
+
+
+def other_islands(me: str, live: Mapping[str, IslandRecord], training: bool = True) -> dict[str, IslandRecord]:
+    """The live islands (satellites excluded) other than `me`; by default only those training."""
+    return {p: r for p, r in live.items() if p != me and r.role == "island" and (r.state == "training" or not training)}
+
+
+def peer_progress(islands: Iterable[IslandRecord], fragment: int) -> list[tuple[int, int]]:
+    """(step, start step of the last round applied to `fragment`) of each island."""
+    out = []
+    for r in islands:
+        last = r.last_sync[fragment] if fragment < len(r.last_sync) else {}
+        out.append((r.step, int(last.get("step", -1)) if isinstance(last, dict) else -1))
+    return out
+
+
+def swarm_step(islands: Iterable[IslandRecord], now: float) -> int | None:
+    """The furthest island's step at `now`, each extrapolated from its record by its recent wall
+    pace (stalls included); None without islands."""
+    best = None
+    for r in islands:
+        steps_per_s = r.tokens_per_s / r.batch_tokens if r.batch_tokens > 0 else 0.0
+        guess = r.step + int(max(0.0, now - r.time) * steps_per_s)
+        best = guess if best is None else max(best, guess)
+    return best
+
+
+def furthest(islands: Mapping[str, IslandRecord]) -> tuple[str, int] | None:
+    """(peer, step) of the island furthest ahead by its record (ties: the larger peer id)."""
+    if not islands:
+        return None
+    step, peer = max((r.step, p) for p, r in islands.items())
+    return peer, step

@@ -18,7 +18,14 @@ from islands.node.network import Status
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, DiLoCoConfig, RoundResult
 from islands.protocols.outer import fold_deposits
-from islands.protocols.records import IslandRecord, expected_group, live_records
+from islands.protocols.records import (
+    IslandRecord,
+    expected_group,
+    furthest,
+    live_records,
+    other_islands,
+    swarm_step,
+)
 
 POLL_S = 0.5
 """Fake seconds a waiting network call lets pass between two looks at the board (the node's own polls)."""
@@ -110,24 +117,16 @@ class FakeNetwork:
         return live_records(self.peers, self.clock())
 
     def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
-        return {
-            p: r for p, r in self.live().items()
-            if p != self.peer_id and r.role == "island" and (r.state == "training" or not training)
-        }
+        return other_islands(self.peer_id, self.live(), training)
 
     def expected_group(self) -> int:
         return expected_group(self.peer_id, self.live())
 
     def ahead(self) -> tuple[str, int] | None:
-        others = self._other_islands()
-        if not others:
-            return None
-        peer = max(others, key=lambda p: others[p].step)
-        return peer, others[peer].step
+        return furthest(self._other_islands())
 
     def swarm_step(self) -> int | None:
-        others = self._other_islands()
-        return max((r.step for r in others.values()), default=None)
+        return swarm_step(self._other_islands().values(), self.clock())
 
     def peer_step_seconds(self) -> list[float]:
         return [r.step_seconds for r in self._other_islands().values() if r.step_seconds > 0]

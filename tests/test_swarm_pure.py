@@ -241,3 +241,20 @@ def test_a_consensus_round_never_sends_values_in_int8():
     assert consensus_compression("none") == "none"
     assert consensus_compression("fp16") == "fp16"
     assert consensus_compression("int8") == "fp16"
+
+
+def test_views_over_the_records_of_the_other_islands():
+    from islands.protocols.records import furthest, other_islands, peer_progress, swarm_step
+
+    live = {
+        "me": _rec("me", step=30),
+        "a": _rec("a", step=40, time=100.0, tokens_per_s=2048.0, batch_tokens=1024),
+        "b": _rec("b", step=44, time=100.0, tokens_per_s=0.0),
+        "sat": _rec("sat", role="satellite", step=90),
+        "gone": _rec("gone", step=99, state="left"),
+    }
+    others = other_islands("me", live)
+    assert set(others) == {"a", "b"} and furthest(others) == ("b", 44) and furthest({}) is None
+    # a: 2 steps a second since its record at t=100; b: no pace yet, its step as recorded
+    assert swarm_step(others.values(), now=103.0) == 46 and swarm_step(others.values(), now=101.0) == 44
+    assert peer_progress([live["a"]], 0) == [(40, 40)] and peer_progress([live["a"]], 9) == [(40, -1)]
