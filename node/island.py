@@ -18,66 +18,16 @@ import torch
 from islands.protocols.diloco import StreamingDiLoCo
 
 from .config import Config
-from .contact import ContactClock
 from .events import EventLog
 from .metrics import Metrics
 from .network import Network
 from .progress import Progress
+from .roles import IslandRole, SatelliteRole
 from .sync import FragmentSync, Rounds
 from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-
-
-class IslandRole:
-    """An island: always reachable; it takes every round, serves its state to joiners and agrees
-    the model with the others at the end."""
-
-    name = "island"
-    satellite = False
-
-    def may_round(self, budget_s: float) -> bool:
-        """Whether a round that needs `budget_s` seconds of contact may start now."""
-        return True
-
-    async def before_step(self, core: IslandCore, step: int) -> int:
-        """The step to train from (an island never moves its step counter)."""
-        return step
-
-
-class SatelliteRole:
-    """A satellite: in contact only in its windows. It rounds only with enough contact left,
-    accumulates instead of rounds it cannot take or that failed, serves no state (its agreed
-    values are stale by design) and takes no part in the end-of-run agreement."""
-
-    name = "satellite"
-    satellite = True
-
-    def __init__(self, contact: ContactClock):
-        self.contact = contact
-        self.was_in_contact: bool | None = None
-
-    def may_round(self, budget_s: float) -> bool:
-        return self.contact.can_round(budget_s)
-
-    async def before_step(self, core: IslandCore, step: int) -> int:
-        """On entering or leaving contact: say so, and refresh the records at once on entering;
-        in contact with no round in flight, move to the islands' step."""
-        in_contact = self.contact.in_contact()
-        if in_contact != self.was_in_contact:
-            self.was_in_contact = in_contact
-            core.events.emit("contact", step=step, in_contact=in_contact, remaining_s=round(self.contact.remaining_s(), 3))
-            if in_contact:  # publish its record and read the islands' at once
-                core.refresh_soon()
-        if in_contact and core.sync.quiet:
-            return core.align(step)
-        return step
-
-
-def make_role(cfg: Config) -> IslandRole | SatelliteRole:
-    """The role the config names; a satellite's contact windows count from here (the node's start)."""
-    return SatelliteRole(ContactClock(cfg.net.contact)) if cfg.net.role == "satellite" else IslandRole()
 
 
 class IslandCore:
@@ -188,7 +138,7 @@ class IslandCore:
 
     def start(self, start_step: int) -> None:
         """Serve this island's state to joiners and begin syncing fragments on the schedule."""
-        if not self.role.satellite:  # a satellite's agreed values are stale by design: joiners take an island's
+        if self.role.serves_state:
             self.rounds.share_state(self._state_for_joiners, priority=float(start_step))
         # an island may always round; a satellite's round that cannot start is `skipped_no_contact`
         can_round = (lambda: self.role.may_round(self.network.round_budget_s)) if self.role.satellite else None
@@ -262,7 +212,7 @@ class IslandCore:
     async def agree(self, step: int, shutdown: Callable[[], bool], progress: Progress) -> None:
         """At the end of the run, with the others: wait for them to finish, then one last round of
         every fragment, healed where the islands' agreed values still differ (FragmentSync.agree)."""
-        if self.role.satellite or self.network.expected_group() <= 1:
+        if not self.role.agrees_at_end or self.network.expected_group() <= 1:
             return
         wait_s = self.timeouts.end_wait_s
         ready = await self.network.wait_for_end(step, wait_s, shutdown, Changed(

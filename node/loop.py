@@ -21,11 +21,12 @@ from . import checkpoint as ckpt_io
 from .config import Config
 from .daemon import VERSION, Shutdown, StartupError, build_model, rank_timeout_s
 from .files import write_lines
-from .island import IslandCore, IslandRole, SatelliteRole, make_role
+from .island import IslandCore
 from .network import ManifestMismatch, Network, NetworkError
 from .outputs import Finish, Outputs, new_totals, rate
 from .progress import Progress
 from .ranks import RankEnv, RankFailure, RankGroup, pick_device
+from .roles import IslandRole, SatelliteRole, make_role
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class Island:
         so that is when the caller should install its signal handlers).
         """
         role = make_role(self.cfg)
-        network = Network(self.cfg, self.manifest, self.shapes, VERSION, getattr(role, "contact", None))
+        network = Network(self.cfg, self.manifest, self.shapes, VERSION, role)
         try:
             try:
                 await network.start()

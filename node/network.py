@@ -37,6 +37,7 @@ from islands.protocols.records import (
 
 from .config import Config
 from .contact import ContactClock
+from .roles import IslandRole, SatelliteRole
 from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -70,11 +71,13 @@ class Status:
 class Network:
     def __init__(
         self, cfg: Config, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]], version: str,
-        contact: ContactClock | None = None,
+        role: IslandRole | SatelliteRole | None = None,
     ):
+        """`role`: an island (the default) or a satellite, which out of its contact windows neither
+        publishes nor reads records, and deposits its rounds instead of joining them."""
         self.cfg = cfg
-        self.contact = contact
-        """A satellite's contact windows: out of contact it neither publishes nor reads records."""
+        self.role = role or IslandRole()
+        self.contact: ContactClock | None = self.role.contact
         self.manifest = manifest
         self.shapes = shapes
         self.version = version
@@ -121,7 +124,7 @@ class Network:
                 announce_maddrs=net.announce, identity_path=self.identity_path,
                 # a satellite serves no DHT requests: in the islands' routing tables, its link would
                 # slow every lookup of theirs (bench.elastic, bench/README.md)
-                client_mode=self.contact is not None,
+                client_mode=self.role.satellite,
                 swarm_key=swarm_key, on_refused=self.refusals,
             )
         except IdentityError as e:
@@ -141,7 +144,7 @@ class Network:
             self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
             self.expected_group, self.timeouts,
             peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
-            follower=self.contact is not None, swarm_key=swarm_key, on_refused=self.refusals,
+            follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
             deposit_targets=self.deposit_targets,
         )
         await self.averaging.open_deposits(self.dht.dht)
@@ -205,7 +208,7 @@ class Network:
         self.report()
         if self._out_of_contact() and self.status.state != "left":
             return  # a satellite out of contact reaches nobody
-        if self.averaging is not None and self.status.state == "training" and self.contact is None:
+        if self.averaging is not None and self.status.state == "training" and self.role.serves_state:
             for averager in self.averaging.averagers:
                 averager.state_sharing_priority = float(self.status.step)
         try:
@@ -251,7 +254,7 @@ class Network:
             await self.refresh()
 
     def _out_of_contact(self) -> bool:
-        return self.contact is not None and not self.contact.in_contact()
+        return self.role.satellite and not self.contact.in_contact()
 
     def live(self) -> dict[str, IslandRecord]:
         """Fresh records, without the peers this island banned (it does not wait for them)."""

@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 from islands.node.config import Config
 from islands.node.contact import ContactClock
-from islands.node.island import IslandCore, IslandRole, SatelliteRole
+from islands.node.island import IslandCore
 from islands.node.net.averaging import STALE_WEIGHT
 from islands.node.network import Status
+from islands.node.roles import IslandRole, SatelliteRole
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, DiLoCoConfig, RoundResult
 from islands.protocols.outer import fold_deposits
