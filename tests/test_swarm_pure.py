@@ -3,7 +3,8 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from islands.node.net.averaging import allreduce_wire_bytes, install_codec_fixes, round_group_bits
+from islands.node.net.averaging import allreduce_wire_bytes, round_group_bits
+from islands.node.net.codecs import install_codec_fixes
 from islands.node.status import lateness, render_table
 from islands.protocols.records import (
     IslandRecord,
@@ -236,7 +237,7 @@ def test_an_island_record_carries_its_fingerprints_at_the_end():
 
 
 def test_a_consensus_round_never_sends_values_in_int8():
-    from islands.node.net.averaging import consensus_compression
+    from islands.node.net.codecs import consensus_compression
 
     assert consensus_compression("none") == "none"
     assert consensus_compression("fp16") == "fp16"
