@@ -26,6 +26,8 @@ from islands.protocols.records import (
     choose_shard,
     deposit_candidates,
     expected_group,
+    final_fingerprints,
+    finished,
     furthest,
     live_records,
     other_islands,
@@ -94,6 +96,18 @@ class Network:
         self.on_refused: Callable[[str], None] = lambda what: logger.warning("refused: %s", what)
         """Hears of every refusal (a peer without the swarm key, a banned peer), in this process."""
         self.on_banned: Callable[[str], None] = lambda peer: None
+
+    def _now(self) -> float:
+        """The swarm's clock, that of the records (DHT time)."""
+        return dht_now()
+
+    def _monotonic(self) -> float:
+        """This node's clock, for its own deadlines."""
+        return time.monotonic()
+
+    async def _pause(self, seconds: float) -> None:
+        """Between two looks at the records while waiting for the others."""
+        await asyncio.sleep(seconds)
 
     @property
     def identity_path(self) -> Path:
@@ -172,14 +186,14 @@ class Network:
             batch_tokens=s.batch_tokens or self.cfg.train.batch_size * self.cfg.train.seq_len,
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
-            version=self.version, time=dht_now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
+            version=self.version, time=self._now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
             contact_until=self._contact_until(), final=s.final,
         )
 
     def _contact_until(self) -> float | None:
         if self.contact is None or not self.contact.in_contact():
             return None
-        return dht_now() + min(self.contact.remaining_s(), 1e9)
+        return self._now() + min(self.contact.remaining_s(), 1e9)
 
     @property
     def round_budget_s(self) -> float:
@@ -197,7 +211,7 @@ class Network:
 
     def counts(self) -> dict[str, int]:
         """Peers seen (live records, this island's included), peers banned, records dropped since start."""
-        banned = 0 if self.averaging is None else len(self.averaging.reputation.banned(time.monotonic()))
+        banned = 0 if self.averaging is None else len(self.averaging.reputation.banned(self._monotonic()))
         return {
             "peers": len(self.live()), "banned": banned,
             "forged": self.dht.forged_records if self.dht else 0, "malformed": self.dht.malformed_records if self.dht else 0,
@@ -226,9 +240,9 @@ class Network:
 
     async def redial(self) -> None:
         """Dial again the known peers the DHT has lost (after a partition, it would not by itself)."""
-        targets = redial_targets(self.known, dht_now(), self.peer_id, self.cfg.net.join)
+        targets = redial_targets(self.known, self._now(), self.peer_id, self.cfg.net.join)
         if self.averaging is not None:
-            now = time.monotonic()
+            now = self._monotonic()
             targets = {p: m for p, m in targets.items() if not self.averaging.reputation.is_banned(p, now)}
         try:
             back = await self.dht.redial(targets)
@@ -258,9 +272,9 @@ class Network:
 
     def live(self) -> dict[str, IslandRecord]:
         """Fresh records, without the peers this island banned (it does not wait for them)."""
-        live = live_records(self.peers, dht_now())
+        live = live_records(self.peers, self._now())
         if self.averaging is not None:
-            now = time.monotonic()
+            now = self._monotonic()
             live = {p: r for p, r in live.items() if not self.averaging.reputation.is_banned(p, now)}
         return live
 
@@ -274,7 +288,7 @@ class Network:
 
     def arrival_s(self, step: int) -> float:
         """How long until the last live, training island still short of `step` gets there (records.arrival_s)."""
-        return arrival_s(step, self._other_islands().values(), dht_now())
+        return arrival_s(step, self._other_islands().values(), self._now())
 
     def expected_group(self) -> int:
         """Members a round waits for: this node and the live islands (never a satellite)."""
@@ -284,14 +298,14 @@ class Network:
         """The islands a satellite may deposit with (records.deposit_candidates), in the order to try:
         the live ones at random, so that satellites spread over the islands; else the most recent."""
         live = self.live()
-        islands = deposit_candidates(self.peer_id, live, self.known, dht_now())
+        islands = deposit_candidates(self.peer_id, live, self.known, self._now())
         if any(p in live for p in islands):
             random.shuffle(islands)
         return islands
 
     def swarm_step(self) -> int | None:
         """The furthest live island's step now, extrapolated from its record by its recent pace."""
-        return swarm_step(self._other_islands().values(), dht_now())
+        return swarm_step(self._other_islands().values(), self._now())
 
     def peer_step_seconds(self) -> list[float]:
         """The other live, training islands' step times (compute only) from their records."""
@@ -303,11 +317,11 @@ class Network:
 
     async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
         """Wait (bounded) until `count` islands are present; the number seen."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self._monotonic() + timeout_s
         seen = self.live_islands()
-        while seen < count and time.monotonic() < deadline and not shutdown():
+        while seen < count and self._monotonic() < deadline and not shutdown():
             on_wait(seen)
-            await asyncio.sleep(0.5)
+            await self._pause(0.5)
             await self.refresh()
             seen = self.live_islands()
         return seen
@@ -317,14 +331,13 @@ class Network:
         other live, training island has reached `step` too, so that the last rounds (FragmentSync.agree)
         find them all. The peer ids of the other islands that have."""
         await self.refresh()
-        deadline = time.monotonic() + timeout_s
+        deadline = self._monotonic() + timeout_s
         while True:
-            others = self._other_islands()
-            behind = [r for r in others.values() if r.step < step]
-            if not behind or time.monotonic() >= deadline or shutdown():
-                return {p for p, r in others.items() if r.step >= step}
-            on_wait(len(behind))
-            await asyncio.sleep(0.5)
+            ready, behind = finished(self._other_islands(), step)
+            if not behind or self._monotonic() >= deadline or shutdown():
+                return ready
+            on_wait(behind)
+            await self._pause(0.5)
             await self.read_peers(timeout_s=self.timeouts.end_read_s)
 
     async def compare_final(self, check: int, fps: list[list[float]], peers: set[str], timeout_s: float) -> list[list[list[float]]]:
@@ -333,14 +346,12 @@ class Network:
         published its own for that look, has left, or `timeout_s` has passed: their fingerprints."""
         self.status.final = {"check": check, "fp": fps}
         await self.refresh()
-        deadline = time.monotonic() + timeout_s
+        deadline = self._monotonic() + timeout_s
         while True:
-            live = self.live()  # a withdrawn island's record still shows its last fingerprints
-            posted = {p: r.final for p, r in self.peers.items() if p in peers and r.final is not None and r.final["check"] >= check}
-            waiting = [p for p in peers if p in live and p not in posted]
-            if not waiting or time.monotonic() >= deadline:
-                return [f["fp"] for f in posted.values()]
-            await asyncio.sleep(0.3)
+            posted, waiting = final_fingerprints(self.peers, peers, self.live(), check)
+            if not waiting or self._monotonic() >= deadline:
+                return posted
+            await self._pause(0.3)
             await self.read_peers(timeout_s=self.timeouts.end_read_s)
 
     def ahead(self) -> tuple[str, int] | None:

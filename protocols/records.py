@@ -197,3 +197,18 @@ def furthest(islands: Mapping[str, IslandRecord]) -> tuple[str, int] | None:
         return None
     step, peer = max((r.step, p) for p, r in islands.items())
     return peer, step
+
+
+def finished(others: Mapping[str, IslandRecord], step: int) -> tuple[set[str], int]:
+    """At the end of a run: (the islands that have reached `step`, how many are still behind it)."""
+    return {p for p, r in others.items() if r.step >= step}, sum(1 for r in others.values() if r.step < step)
+
+
+def final_fingerprints(
+    records: Mapping[str, IslandRecord], peers: Iterable[str], live: Mapping[str, IslandRecord], check: int
+) -> tuple[list[list[list[float]]], list[str]]:
+    """At the end of a run, after this island's `check`-th look: (the fingerprints that `peers`
+    published for that look or a later one, the peers still live that have not yet). A withdrawn
+    island's record still shows its last fingerprints."""
+    posted = {p: r.final for p, r in records.items() if p in peers and r.final is not None and r.final["check"] >= check}
+    return [f["fp"] for f in posted.values()], [p for p in peers if p in live and p not in posted]

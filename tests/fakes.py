@@ -14,23 +14,14 @@ from islands.node.config import Config
 from islands.node.contact import ContactClock
 from islands.node.island import IslandCore
 from islands.node.net.averaging import STALE_WEIGHT
-from islands.node.network import Status
+from islands.node.network import Network
 from islands.node.roles import IslandRole, SatelliteRole
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, DiLoCoConfig, RoundResult
 from islands.protocols.outer import fold_deposits
 from islands.protocols.records import (
     IslandRecord,
-    expected_group,
-    furthest,
-    live_records,
-    other_islands,
-    swarm_step,
 )
-
-POLL_S = 0.5
-"""Fake seconds a waiting network call lets pass between two looks at the board (the node's own polls)."""
-MAX_POLLS = 400
 
 
 class Clock:
@@ -76,102 +67,56 @@ class Board:
         self.side = {}
 
 
-class FakeNetwork:
-    """What the island core asks of its network (node/network.py), over a Board."""
+class FakeNetwork(Network):
+    """The node's Network, its decisions and waits as they are, over a Board instead of a DHT,
+    on the board's clock; its waits between two looks move that clock instead of sleeping."""
 
-    def __init__(self, board: Board, peer_id: str, cfg: Config, contact: ContactClock | None = None):
-        """`contact`: a satellite's windows; out of them it neither publishes nor reads records."""
-        self.board, self.peer_id, self.cfg, self.contact = board, peer_id, cfg, contact
-        self.role = "island" if contact is None else "satellite"
-        fragments = cfg.diloco.fragments
-        self.status = Status(next_sync=[0] * fragments, last_sync=[{} for _ in range(fragments)])
-        self.peers: dict[str, IslandRecord] = {}
-        self.round_budget_s = 1.0
+    def __init__(self, board: Board, peer_id: str, cfg: Config, role: IslandRole | SatelliteRole | None = None):
+        super().__init__(cfg, manifest={}, shapes=[], version="fake", role=role)
+        self.board, self._peer_id = board, peer_id
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
 
     @property
     def clock(self) -> Clock:
         return self.board.clock
 
-    def record(self) -> IslandRecord:
-        s = self.status
-        return IslandRecord(
-            peer_id=self.peer_id, role=self.role, step=s.step, batch_tokens=s.batch_tokens or 1,
-            tokens_per_s=s.tokens_per_s, step_seconds=s.step_seconds, next_sync=list(s.next_sync),
-            last_sync=list(s.last_sync), contact=None, version="fake", time=self.clock(), state=s.state,
-            maddrs=[], shard=s.shard, final=s.final,
-        )
+    def maddrs(self) -> list[str]:
+        return []
 
-    async def refresh(self) -> None:
-        self.report()
+    def _now(self) -> float:
+        return self.board.clock()
+
+    def _monotonic(self) -> float:
+        return self.board.clock()
+
+    async def _pause(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        await asyncio.sleep(0)  # the others take their turn
 
     def report(self) -> None:
         """Every step: this island's record is published and the others' read (no refresh period)."""
-        if self.contact is not None and not self.contact.in_contact():
+        if self._out_of_contact():
             return
         self.board.store(self.record())
         self.peers = self.board.read(self.peer_id)
 
+    async def refresh(self) -> None:
+        self.report()
+
+    async def read_peers(self, timeout_s: float | None = None) -> None:
+        if not self._out_of_contact():
+            self.peers = self.board.read(self.peer_id)
+
     def counts(self) -> dict[str, int]:
         return {"peers": len(self.live()), "banned": 0, "forged": 0, "malformed": 0}
 
-    def live(self) -> dict[str, IslandRecord]:
-        return live_records(self.peers, self.clock())
-
-    def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
-        return other_islands(self.peer_id, self.live(), training)
-
-    def expected_group(self) -> int:
-        return expected_group(self.peer_id, self.live())
-
-    def ahead(self) -> tuple[str, int] | None:
-        return furthest(self._other_islands())
-
-    def swarm_step(self) -> int | None:
-        return swarm_step(self._other_islands().values(), self.clock())
-
-    def peer_step_seconds(self) -> list[float]:
-        return [r.step_seconds for r in self._other_islands().values() if r.step_seconds > 0]
-
-    async def _poll(self) -> None:
-        self.clock.advance(POLL_S)
-        await asyncio.sleep(0)
-        await self.refresh()
-
-    async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait) -> int:
-        deadline = self.clock() + timeout_s
-        while 1 + len(self._other_islands(training=False)) < count and self.clock() < deadline and not shutdown():
-            on_wait(1 + len(self._other_islands(training=False)))
-            await self._poll()
-        return 1 + len(self._other_islands(training=False))
-
-    async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait) -> set[str]:
-        await self.refresh()
-        deadline = self.clock() + timeout_s
-        while True:
-            others = self._other_islands()
-            behind = [r for r in others.values() if r.step < step]
-            if not behind or self.clock() >= deadline or shutdown():
-                return {p for p, r in others.items() if r.step >= step}
-            on_wait(len(behind))
-            await self._poll()
-
-    async def compare_final(self, check: int, fps: list[list[float]], peers: set[str], timeout_s: float) -> list[list[list[float]]]:
-        self.status.final = {"check": check, "fp": fps}
-        await self.refresh()
-        deadline = self.clock() + timeout_s
-        while True:
-            live = self.live()
-            posted = {p: r.final for p, r in self.peers.items() if p in peers and r.final is not None and r.final["check"] >= check}
-            waiting = [p for p in peers if p in live and p not in posted]
-            if not waiting or self.clock() >= deadline:
-                return [f["fp"] for f in posted.values()]
-            await self._poll()
-
     async def withdraw(self) -> None:
-        if self.status.state == "left":
-            return
-        self.status.state = "left"
-        self.board.store(self.record())
+        if self.status.state != "left":
+            self.status.state = "left"
+            self.board.store(self.record())
 
 
 @dataclasses.dataclass
@@ -251,7 +196,7 @@ class FakeRounds:
 
     async def average(self, c: Contribution, wait_s: float | None = None) -> RoundResult:
         me = self.network.peer_id
-        if self.network.contact is not None:
+        if self.network.role.satellite:
             return self._deposit(c)
         failed = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         if self.network.expected_group() <= 1:
@@ -340,9 +285,8 @@ class ToyIsland:
         self.cfg = cfg
         self.target = {n: torch.full((6,), target) + torch.arange(6.0) * 0.1 for n in ("a", "b")}
         self.params = {n: torch.zeros(6) for n in ("a", "b")}
-        clock = None if contact is None else ContactClock(contact, clock=board.clock)
-        role = IslandRole() if clock is None else SatelliteRole(clock)
-        self.network = FakeNetwork(board, name, cfg, clock)
+        role = IslandRole() if contact is None else SatelliteRole(ContactClock(contact, clock=board.clock))
+        self.network = FakeNetwork(board, name, cfg, role)
         self.events = Events()
         self.totals = {"bytes_sent": 0, "bytes_recv": 0, **{f"syncs_{o}": 0 for o in ("ok", "solo", "failed", "skipped_no_contact", "rejected")}}
         self.core = IslandCore(

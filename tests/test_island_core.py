@@ -152,7 +152,8 @@ async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it
     board, hub = Board(Clock()), Hub()
     a, b = (ToyIsland(n, board, hub, config(steps=120), t) for n, t in (("a", 1.0), ("b", -1.0)))
     spec = "up 10s every 30s"
-    sat = ToyIsland("s", board, hub, config(steps=120, role="satellite", contact=spec), 0.5, contact=spec)
+    # a round needs --match-wait-s + 1 s of contact left (Network.round_budget_s): 3 s here
+    sat = ToyIsland("s", board, hub, config(steps=120, role="satellite", contact=spec, match_wait_s=2.0), 0.5, contact=spec)
     for island in (a, b, sat):
         await island.join()
     await asyncio.gather(a.run(120), b.run(120), sat.run(120))
