@@ -120,7 +120,7 @@ def test_a_consensus_round_that_would_drag_the_model_far_is_refused(pair):
 def test_the_join_guard_is_served_as_a_stream():
     """hivemind registers rpc_join_group as streaming only if its hint says so; a unary
     registration breaks every round (seen: "async_generator can't be used in 'await'")."""
-    from islands.node.net.averaging import IslandAverager
+    from islands.node.net.averager import IslandAverager
 
     IslandAverager._collect_rpc_handlers()
     handler = next(h for h in IslandAverager._rpc_handlers if h.method_name == "rpc_join_group")

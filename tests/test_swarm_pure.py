@@ -3,7 +3,8 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from islands.node.net.averaging import allreduce_wire_bytes, round_group_bits
+from islands.node.net.averager import round_group_bits
+from islands.node.net.averaging import allreduce_wire_bytes
 from islands.node.net.codecs import install_codec_fixes
 from islands.node.status import lateness, render_table
 from islands.protocols.records import (
