@@ -22,6 +22,7 @@ from islands.protocols.outer import fold_deposits
 from islands.protocols.records import (
     IslandRecord,
 )
+from islands.protocols.validation import NormHistory, check_update
 
 
 class Clock:
@@ -141,6 +142,8 @@ class Hub:
         """(fragment, round) -> the member that gets `failed` while the others get `ok`."""
         self.crash: dict[tuple[int, int], str] = {}
         """(fragment, round) -> the member that dies in that round, once it has contributed."""
+        self.poison: dict[tuple[int, int], str] = {}
+        """(fragment, round) -> the member whose contribution arrives 1000 times too large."""
         self.states: dict[str, tuple[Callable, float]] = {}
         self.deposits: dict[tuple[str, int], list[Contribution]] = {}
         """(island, fragment) -> satellites' contributions deposited with it, not yet folded in."""
@@ -172,6 +175,7 @@ class FakeRounds:
 
     def __init__(self, hub: Hub, network: FakeNetwork):
         self.hub, self.network = hub, network
+        self.history: dict[int, NormHistory] = {}
 
     def prefetch(self) -> None:
         pass
@@ -205,7 +209,10 @@ class FakeRounds:
             return failed  # a member it cannot reach: the real round waits for it, then fails
         if self.hub.crash.get((c.fragment, c.round)) == me:
             self.hub.kill(me)
-        g = await self.hub.gather(("delta", c.fragment, c.round), me, self._members(), c)
+        sent = c
+        if self.hub.poison.get((c.fragment, c.round)) == me:
+            sent = dataclasses.replace(c, delta={n: t * 1000.0 for n, t in c.delta.items()})
+        g = await self.hub.gather(("delta", c.fragment, c.round), me, self._members(), sent)
         self.hub.log.append(("delta", c.fragment, c.round, me, not g.failed))
         if g.failed or self.hub.split.get((c.fragment, c.round)) == me:
             return failed
@@ -213,6 +220,11 @@ class FakeRounds:
         weights = [max(m.weight, STALE_WEIGHT) for m in members]  # as the real rounds: hivemind needs a positive weight
         total = sum(weights)
         delta = {n: sum(m.delta[n] * (w / total) for m, w in zip(members, weights, strict=True)) for n in c.delta}
+        # the node's own check of a round's result (protocols/validation.py), as the real rounds run it
+        why, norm = check_update(delta, c.delta, self.history.setdefault(c.fragment, NormHistory()))
+        if why is not None:
+            return RoundResult(outcome="rejected", delta=c.delta, group_size=len(members), weight=c.weight, reason=why)
+        self.history[c.fragment].accept(norm)
         return RoundResult(
             outcome="ok", delta=delta, group_size=len(members), weight=total, staleness=c.staleness,
             consensus=consensus_needed((m.fingerprint for m in members if not m.staleness), TOLERANCE["none"]),

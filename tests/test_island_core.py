@@ -187,3 +187,21 @@ async def test_a_restarted_island_behind_the_swarm_catches_up_and_ends_with_its_
     assert b.syncs() == [(t, p, "ok") for t, p in _starts(80) if t > 40]
     assert [o for t, _, o in a.syncs() if t > 40] == ["ok"] * 8
     assert _same(a, b)
+
+
+async def test_a_poisoned_round_is_rejected_by_both_and_the_next_round_of_its_fragment_heals_them():
+    """B's contribution to fragment 0's round 2 (step 20) arrives 1000 times too large: both
+    islands' checks of the result (protocols/validation.py) reject it and apply their own update;
+    their bases then differ, and the next round of fragment 0 re-merges them."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=60)
+    hub.poison[(0, 2)] = "b"
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(60), b.run(60))
+    await asyncio.gather(a.leave(), b.leave())
+    for island in (a, b):
+        syncs = {(e["step"], e["fragment"]): e for e in island.events.of("sync")}
+        assert [k for k, e in syncs.items() if e["outcome"] != "ok"] == [(20, 0)]
+        assert syncs[(20, 0)]["policy"] == "own_update" and "above" in syncs[(20, 0)]["reason"]
+        assert [k for k, e in syncs.items() if e["consensus"] is not None] == [(30, 0)]
+    assert _same(a, b)
