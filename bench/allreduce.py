@@ -59,7 +59,7 @@ def _hivemind_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, pa
     shapes = [[("x", (_numel(mb),))] for mb in sizes_mb]
     averaging = FragmentAveraging(
         swarm.dht, RUN_ID, shapes, "none", expected_group=lambda: peers,
-        timeouts=Timeouts(match_wait_s=10.0, allreduce_s=120.0, next_chunk_s=60.0), part_size_bytes=part_size_bytes,
+        timeouts=Timeouts(match_wait_s=10.0, allreduce_s=120.0, next_chunk_s=60.0, round_s=300.0), part_size_bytes=part_size_bytes,
     )
 
     async def run() -> None:

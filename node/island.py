@@ -29,7 +29,6 @@ from .timeouts import Timeouts
 logger = logging.getLogger(__name__)
 
 
-
 class IslandCore:
     def __init__(
         self, cfg: Config, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], network: Network,
@@ -41,7 +40,6 @@ class IslandCore:
         `rounds`: what averages a contribution with the other islands (default: the network's
         hivemind averagers)."""
         self.cfg = cfg
-        self.layout = [list(names) for names in layout]
         self.params = params
         self.network = network
         self.rounds = network.averaging if rounds is None else rounds

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 import statistics
 import time
 from collections import deque
@@ -28,8 +27,6 @@ from .progress import Progress
 from .ranks import RankEnv, RankFailure, RankGroup, pick_device
 from .roles import IslandRole, SatelliteRole, make_role
 from .trainer import Trainer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

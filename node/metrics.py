@@ -1,6 +1,6 @@
 """`--metrics-port`: the node's figures for Prometheus (prometheus_client, on its own registry).
 
-The daemon calls `step`, `sync` and `network` as it goes; the HTTP server runs
+The training loop and the island core call `step`, `sync` and `network` as they go; the HTTP server runs
 in prometheus_client's thread and reads the last values.
 """
 

@@ -52,7 +52,7 @@ from .timeouts import Timeouts
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = Timeouts.ranks_s
-"""A collective that does not complete in this long (a frozen rank) fails, at the least (the daemon
+"""A collective that does not complete in this long (a frozen rank) fails, at the least (Timeouts.ranks_wait_s
 allows for rank 0's wait for islands and its download before the first step)."""
 
 
@@ -191,7 +191,7 @@ class RankGroup:
         return [int(x) for x in self._broadcast(t).tolist()]
 
     def _check_thread(self) -> None:
-        """The protocol is driven from one thread (rank 0: the daemon's torch thread): a collective
+        """The protocol is driven from one thread (rank 0: the loop's torch thread): a collective
         issued from another thread meanwhile would interleave with its collectives on the group and
         corrupt both. A second thread is a bug, and raises at once."""
         me = threading.get_ident()

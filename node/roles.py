@@ -16,7 +16,6 @@ class IslandRole:
     """An island: always reachable; it takes every round, serves its state to joiners and agrees
     the model with the others at the end."""
 
-    name = "island"
     satellite = False
     contact: ContactClock | None = None
     serves_state = True
@@ -38,7 +37,6 @@ class SatelliteRole:
     accumulates instead of rounds it cannot take or that failed, serves no state (its agreed
     values are stale by design) and takes no part in the end-of-run agreement."""
 
-    name = "satellite"
     satellite = True
     serves_state = False  # its agreed values are stale by design: joiners take an island's
     agrees_at_end = False

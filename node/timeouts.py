@@ -1,4 +1,6 @@
-"""Every bound the node puts on waiting for the network or its ranks, in one place."""
+"""The bounds the node puts on waiting for the network or its ranks, in one place. Left where they
+are: the grace periods inside hivemind's machinery in node/net (an averager's shutdown 2 s, handing
+it a round's key 10 s, a state download's thread +5 s, matchmaking's minimum time) and the relay's."""
 
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ class Timeouts:
     withdraw_s: float = 3.0
     """Publishing the record that says this island left."""
     dht_s: float = 10.0
-    """One DHT store or get."""
+    """One DHT store or get (SwarmDHT takes this default)."""
     redial_s: float = 4.0
-    """Dialling again the peers the DHT lost (after a partition)."""
+    """Dialling again the peers the DHT lost (after a partition; SwarmDHT takes this default)."""
     start_s: float = 30.0
     """At start, learning the addresses this node is reachable at."""
     ranks_s: float = 300.0

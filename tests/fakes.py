@@ -169,7 +169,7 @@ class Hub:
 
 
 class FakeRounds:
-    """The core's rounds (node/sync.Averager) over a Hub."""
+    """The core's rounds (node/sync.Rounds) over a Hub."""
 
     compression = "none"
 
@@ -241,12 +241,13 @@ class FakeRounds:
         return mean(0), mean(1), 0
 
     def share_state(self, provider: Callable, priority: float) -> None:
-        self.hub.states[self.network.peer_id] = (provider, priority)
+        self.hub.states[self.network.peer_id] = (provider, self.network)
 
     async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None:
+        """From the donor furthest ahead (the node's refresh sets a donor's priority to its step)."""
         me = self.network.peer_id
         donors = [
-            (priority, peer) for peer, (_, priority) in self.hub.states.items()
+            (network.status.step, peer) for peer, (_, network) in self.hub.states.items()
             if peer != me and peer not in self.hub.dead and self.network.board.reaches(me, peer)
         ]
         if not donors:
@@ -327,6 +328,8 @@ class ToyIsland:
         """Train to step `until`, or until this island dies (Hub.crash): then its record stops."""
         while self.step < until:
             self.step = await self.core.before_step(self.step)
+            if self.step >= until:
+                return
             self.train()
             self.step += 1
             self.network.clock.advance(STEP_S)

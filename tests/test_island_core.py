@@ -44,8 +44,9 @@ async def test_two_islands_average_every_round_and_end_with_one_model():
 
 async def test_a_member_that_dies_mid_round_fails_that_round_then_is_routed_around():
     """B dies in the round of fragment 1 that starts at step 45 (round 4): A's round fails and A
-    applies its own update; A's next rounds fail at once while B's record is live (12 s: 24 of
-    A's steps of 0.5 s), then A goes on alone."""
+    applies its own update; A's next rounds fail while B's record is live (12 s: 24 of A's steps of
+    0.5 s; the fake rounds fail them at once, the real ones after their match wait), then A goes on
+    alone."""
     board, hub, (a, b) = _swarm(1.0, -1.0, steps=120)
     hub.crash[(1, 4)] = "b"
     for island in (a, b):
@@ -124,7 +125,7 @@ async def test_a_joiner_takes_the_swarm_state_and_step_and_then_averages_with_it
     await asyncio.gather(a.run(33), b.run(33))
     await c.join()
     joined = c.events.of("join")[0]
-    # the donor of highest priority (its start step; both 0 here: the larger peer id)
+    # the donor furthest ahead (both at 33 here: the larger peer id)
     assert joined == {**joined, "step": 33, "state_from": "b", "sources": ["b", "b"], "bytes": 2 * 2 * 6 * 4}
     assert _same(c, a)
     assert all(torch.equal(c.params[n], c.core.diloco.global_state()[n]) for n in c.params)
@@ -164,7 +165,6 @@ async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it
     theirs = sat.events.of("sync")
     assert {(e["outcome"], e["policy"]) for e in theirs} == {("skipped_no_contact", "accumulate"), ("ok", "deposited")}
     deposited = [e for e in theirs if e["outcome"] == "ok"]
-    assert all(e["group_size"] == 2 for e in deposited)
     # every deposit reached a round of the island it was left with (the first by peer id here)
     assert sum(e["deposits"] for e in a.events.of("sync")) == len(deposited) >= 4
     assert sum(e["deposits"] for e in b.events.of("sync")) == 0
