@@ -38,6 +38,30 @@ def split_fragments(groups: Mapping[str, Group], num_fragments: int) -> list[lis
     return fragments
 
 
+def groups_by_name(names: Sequence[str]) -> dict[str, Group]:
+    """Layer groups read from parameter names, in the model's order, for a model that does not say
+    its own: the first dotted part of a name that is a number is its layer (`layers.3.`, `h.3.`,
+    `blocks.3.`; an expert's index after it does not count). Names before the first layer are
+    "embed", names after the last are "head", and a name without a number between two layers goes
+    with the layer before it. Raises ValueError if no name holds a layer index."""
+    layers: list[int | None] = [next((int(part) for part in name.split(".") if part.isdigit()), None) for name in names]
+    indexed = [i for i, layer in enumerate(layers) if layer is not None]
+    if not indexed:
+        raise ValueError("no parameter name holds a layer index (like layers.3.): give the task its own fragment layout")
+    first, last = indexed[0], indexed[-1]
+    groups: dict[str, Group] = {}
+    previous: int | None = None
+    for i, (name, layer) in enumerate(zip(names, layers, strict=True)):
+        if i < first:
+            groups[name] = "embed"
+        elif i > last:
+            groups[name] = "head"
+        else:
+            previous = layer if layer is not None else previous
+            groups[name] = previous
+    return groups
+
+
 def layout_digest(fragments: Sequence[Sequence[str]], shapes: Mapping[str, Sequence[int]]) -> str:
     """A digest of which parameter (with which shape) sits in which fragment."""
     layout = [[[name, list(shapes[name])] for name in names] for names in fragments]

@@ -347,3 +347,25 @@ def test_the_plan_after_a_round(outcome, deposited, consensus, staleness, satell
 def test_after_a_failed_rebase_an_island_applies_to_its_stale_base_and_a_satellite_waits():
     assert after_failed_rebase(satellite=False) == Plan("apply", "averaged", advance_round=False)
     assert after_failed_rebase(satellite=True) == Plan("accumulate", "accumulate")
+
+
+def test_layer_groups_read_from_parameter_names():
+    from islands.models.transformer import Transformer, model_config
+    from islands.protocols.fragments import groups_by_name
+
+    model = Transformer(model_config("tiny"))
+    names = [n for n, _ in model.named_parameters()]
+    assert groups_by_name(names) == model.layer_groups()  # the built-in model says the same
+    hf = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.block_sparse_moe.experts.7.w1.weight",
+        "model.layers.1.self_attn.q_proj.weight", "model.layers.1.input_layernorm.weight",
+        "model.norm.weight", "lm_head.weight",
+    ]
+    groups = groups_by_name(hf)
+    assert [groups[n] for n in hf] == ["embed", 0, 0, 1, 1, "head", "head"]
+    assert split_fragments(groups, 2) == [hf[:3], hf[3:]]
+    gpt2 = ["transformer.wte.weight", "transformer.h.0.attn.w", "transformer.shared_gate", "transformer.h.1.attn.w", "transformer.ln_f.weight"]
+    assert [groups_by_name(gpt2)[n] for n in gpt2] == ["embed", 0, 0, 1, "head"]
+    with pytest.raises(ValueError, match="no parameter name holds a layer index"):
+        groups_by_name(["w", "b"])
