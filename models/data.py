@@ -83,7 +83,8 @@ def read_corpus(spec: str, max_bytes: int = MAX_CORPUS_BYTES) -> bytes:
     return corpus
 
 
-def _is_eval_block(index: int, eval_fraction: float) -> bool:
+def is_eval_block(index: int, eval_fraction: float) -> bool:
+    """Whether block `index` is held out for evaluation: a hash of the index, the same on every island."""
     h = int.from_bytes(hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest(), "little")
     return (h % 1_000_000) < eval_fraction * 1_000_000
 
@@ -108,8 +109,8 @@ class Corpus:
     def __init__(self, raw: bytes, cfg: DataConfig, min_bytes: int):
         self.cfg = cfg
         blocks = [raw[i : i + BLOCK_BYTES] for i in range(0, len(raw), BLOCK_BYTES)]
-        eval_ids = [i for i in range(len(blocks)) if _is_eval_block(i, cfg.eval_fraction)]
-        train_ids = [i for i in range(len(blocks)) if not _is_eval_block(i, cfg.eval_fraction)]
+        eval_ids = [i for i in range(len(blocks)) if is_eval_block(i, cfg.eval_fraction)]
+        train_ids = [i for i in range(len(blocks)) if not is_eval_block(i, cfg.eval_fraction)]
         if not eval_ids or len(train_ids) < cfg.num_shards:
             # too small to cut by blocks: hold out the tail, deal the rest by bytes
             cut = max(min_bytes, int(len(raw) * cfg.eval_fraction))

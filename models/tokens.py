@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import _is_eval_block
+from .data import is_eval_block
 
 HEADER_INTS = 256
 HEADER_BYTES = 4 * HEADER_INTS
@@ -103,8 +103,8 @@ class TokenCorpus:
             tokens = open_tokens(path, vocab_size)
             blocks += [tokens[i : i + BLOCK_TOKENS] for i in range(0, len(tokens), BLOCK_TOKENS)]
         blocks = [b for b in blocks if len(b) >= seq_len + 1]
-        held = [b for i, b in enumerate(blocks) if _is_eval_block(i, eval_fraction)]
-        train = [b for i, b in enumerate(blocks) if not _is_eval_block(i, eval_fraction)]
+        held = [b for i, b in enumerate(blocks) if is_eval_block(i, eval_fraction)]
+        train = [b for i, b in enumerate(blocks) if not is_eval_block(i, eval_fraction)]
         if not held and train:
             held = [train.pop()]  # a small data set: its last block is held out
         if len(train) < num_shards:
