@@ -21,13 +21,16 @@ import torch
 BLOCK_BYTES = 1 << 16
 MAX_CORPUS_BYTES = 1 << 27  # 128 MiB: plenty for the sizes here, bounded start-up
 DATA_STDLIB = "stdlib"
+TOKENS_PREFIX = "tokens:"
+"""`--data tokens:GLOB`: pre-tokenized shards (tokens.py) instead of bytes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     data: str = dataclasses.field(
         default=DATA_STDLIB,
-        metadata={"help": "`stdlib` (the Python standard library's source: nothing to download), or a file, folder or glob of text files"},
+        metadata={"help": "`stdlib` (the Python standard library's source: nothing to download), a file, folder or glob of text files, "
+                          "or tokens:GLOB for token shards (nanoGPT's raw uint16 .bin or llm.c's, with --vocab-size)"},
     )
     num_shards: int = dataclasses.field(default=16, metadata={"help": "training shards the corpus is dealt into; the same on every island"})
     shard: int = dataclasses.field(default=-1, metadata={"help": "this island's shard, 0..num_shards-1; -1 picks one (0 when alone)"})
@@ -138,8 +141,14 @@ def _as_tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def load_corpus(cfg: DataConfig, seq_len: int) -> Corpus:
-    """Read and cut the corpus; ValueError (with the reason) if the data is missing or too small."""
+def load_corpus(cfg: DataConfig, seq_len: int, vocab_size: int | None = None) -> Corpus:
+    """Read and cut the corpus (bytes, or token shards for `tokens:GLOB`, every id checked below
+    `vocab_size`); ValueError (with the reason) if the data is missing, bad or too small."""
+    if cfg.data.startswith(TOKENS_PREFIX):
+        from .tokens import TokenCorpus
+
+        files = corpus_files(cfg.data.removeprefix(TOKENS_PREFIX))
+        return TokenCorpus(files, cfg.num_shards, cfg.eval_fraction, seq_len, vocab_size)
     raw = read_corpus(cfg.data)
     if not raw:
         raise ValueError(f"data path {cfg.data!r} holds no bytes")

@@ -151,9 +151,11 @@ class ModelConfig:
     max_seq_len: int = 1024
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss in the training loss."""
+    vocab_size: int = VOCAB_SIZE
+    """256 for bytes; token data brings its tokenizer's size."""
 
     def __post_init__(self):
-        for name in ("n_layer", "d_model", "n_head", "d_ff", "num_experts", "top_k", "max_seq_len"):
+        for name in ("n_layer", "d_model", "n_head", "d_ff", "num_experts", "top_k", "max_seq_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
@@ -162,7 +164,11 @@ class ModelConfig:
             raise ValueError(f"model top_k {self.top_k} exceeds num_experts {self.num_experts}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As the run manifest holds it; a byte model's leaves out its vocabulary, as manifests did before token data."""
+        out = dataclasses.asdict(self)
+        if out["vocab_size"] == VOCAB_SIZE:
+            del out["vocab_size"]
+        return out
 
 
 MODEL_SIZES: dict[str, ModelConfig] = {
@@ -175,14 +181,17 @@ MODEL_SIZES: dict[str, ModelConfig] = {
 }
 
 
-def model_config(size: str, *, dense: bool = False) -> ModelConfig:
-    """The named size, as a mixture of experts or (dense=True) with one dense FFN per block."""
+def model_config(size: str, *, dense: bool = False, vocab_size: int | None = None) -> ModelConfig:
+    """The named size, as a mixture of experts or (dense=True) with one dense FFN per block, over
+    bytes or (`vocab_size`) a tokenizer's ids."""
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model {size!r}; choose one of {', '.join(MODEL_SIZES)}")
     cfg = MODEL_SIZES[size]
     if dense:
         # a dense FFN as wide as the active expert compute: same FLOPs per token
         cfg = dataclasses.replace(cfg, num_experts=1, top_k=1, d_ff=cfg.d_ff * cfg.top_k)
+    if vocab_size is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     return cfg
 
 
@@ -193,10 +202,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(VOCAB_SIZE, cfg.d_model)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.pos = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.d_model))
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from islands.models.data import DataConfig
+from islands.models.data import TOKENS_PREFIX, DataConfig
 from islands.models.transformer import MODEL_SIZES, ModelConfig, model_config
 from islands.protocols.admission import SwarmKeyError, load_swarm_key
 from islands.protocols.contact import parse_contact
@@ -48,7 +48,8 @@ class TrainConfig:
     dense: bool = _opt(False, "dense feed-forward layers instead of 32 experts with top-1 routing")
     steps: int = _opt(1000, "train until this inner step (a resumed run continues up to it)")
     batch_size: int = _opt(8, "sequences per inner step")
-    seq_len: int = _opt(128, "bytes per sequence")
+    seq_len: int = _opt(128, "bytes (or tokens) per sequence")
+    vocab_size: int | None = _opt(None, "the model's vocabulary: bytes (256) by default; token data (--data tokens:GLOB) needs its tokenizer's size", metavar="V")
     inner_opt: InnerOpt = _opt("adamw", "inner optimizer: adamw, or shampoo (pytorch-optimizer's ScalableShampoo)")
     lr: float | None = _opt(None, "inner learning rate (default 3e-3)")
     warmup_steps: int = _opt(20, "linear learning-rate warm-up, in inner steps")
@@ -96,7 +97,7 @@ class TrainConfig:
         return DEFAULT_LR[self.inner_opt] if self.lr is None else self.lr
 
     def model_config(self) -> ModelConfig:
-        return model_config(self.model, dense=self.dense)
+        return model_config(self.model, dense=self.dense, vocab_size=self.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,6 +198,11 @@ class Config:
             )
         if self.train.seq_len > model.max_seq_len:
             raise ValueError(f"seq_len {self.train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        tokens = self.data.data.startswith(TOKENS_PREFIX)
+        if tokens and self.train.vocab_size is None:
+            raise ValueError("token data needs the tokenizer's vocabulary: give --vocab-size")
+        if not tokens and self.train.vocab_size not in (None, 256):
+            raise ValueError(f"vocab_size {self.train.vocab_size} applies to token data (--data tokens:GLOB); bytes have 256")
         if self.net.role == "satellite" and not self.net.contact:
             raise ValueError("a satellite needs --contact, e.g. 'up 20s every 60s'")
         if self.net.contact is not None and self.net.role != "satellite":

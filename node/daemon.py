@@ -67,7 +67,7 @@ def follow(cfg: Config, env: RankEnv) -> int:
     device = pick_device(cfg.train.device, env.local_rank)
     model, layout, _ = build_model(cfg)
     model.to(device)
-    corpus = load_corpus(cfg.data, cfg.train.seq_len)
+    corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.train.vocab_size)
     try:
         ranks = RankGroup(env, device, layout, rank_timeout_s(cfg), sharded=cfg.train.parallel == "fsdp")
     except (RuntimeError, ValueError) as e:

@@ -87,7 +87,7 @@ class Island:
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]  # per fragment, for the averagers
         try:  # before the network starts: bad data is a start-up error like any other
-            self.corpus = load_corpus(cfg.data, cfg.train.seq_len)
+            self.corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.train.vocab_size)
         except ValueError as e:
             raise StartupError(str(e)) from None
 

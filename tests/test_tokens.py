@@ -58,3 +58,44 @@ def test_shards_are_disjoint_and_a_batch_is_a_function_of_seed_and_key(tmp_path)
     assert corpus.eval.blocks and corpus.num_tokens == 400_000
     with pytest.raises(ValueError, match="token data too small"):
         TokenCorpus(files[:1], num_shards=16, eval_fraction=0.1, seq_len=64)
+
+
+def _pattern(n, vocab=512, period=37):
+    """Tokens a small model learns quickly: a repeating sequence."""
+    return (np.arange(n) * 7 % period + np.arange(n) // 9973 % 3) % vocab
+
+
+@pytest.mark.network
+def test_a_node_trains_on_token_shards_in_both_formats(tmp_path, capsys):
+    import json
+
+    from islands.node.cli import main
+
+    data = tmp_path / "shards"
+    data.mkdir()
+    _raw(data / "a.bin", _pattern(300_000))
+    _llmc(data / "b.bin", _pattern(300_000) + 100)
+    run = tmp_path / "run"
+    argv = ["--data", f"tokens:{data}/*.bin", "--vocab-size", "512", "--steps", "40", "--window", "10", "--fragments", "2",
+            "--seq-len", "64", "--batch-size", "4", "--num-shards", "2", "--run-dir", str(run), "--progress", "off"]
+    assert main(argv, environ={}) == 0
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+    assert events[0]["manifest"]["model"]["vocab_size"] == 512
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--vocab-size", "30"], "is not below the vocabulary size 30"),
+        ([], "token data needs the tokenizer's vocabulary: give --vocab-size"),
+    ],
+)
+def test_bad_token_data_ends_with_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    from islands.node.cli import main
+
+    _raw(tmp_path / "a.bin", _pattern(200_000))
+    assert main(["--data", f"tokens:{tmp_path}/a.bin", *argv, "--run-dir", str(tmp_path / "run")], environ={}) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
