@@ -23,8 +23,7 @@ from .metrics import Metrics
 from .network import Network
 from .progress import Progress
 from .roles import IslandRole, SatelliteRole
-from .sync import FragmentSync, Rounds
-from .timeouts import Timeouts
+from .sync import FragmentSync, Rounds, download_state, state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class IslandCore:
         self.metrics = metrics
         self.run_torch = run_torch
         self.schedule = cfg.diloco.schedule
-        self.timeouts = Timeouts.from_config(cfg)
+        self.timeouts = network.timeouts
         self.diloco = StreamingDiLoCo(cfg.diloco, layout, params, satellite=role.satellite)
         self.sync: FragmentSync | None = None
         self._refreshes: set[asyncio.Future] = set()
@@ -94,7 +93,7 @@ class IslandCore:
         await self.run_torch(take)
         new_step = min(int(meta["step"]) for _, meta, _, _ in got)
         sources = [str(meta.get("peer_id")) for _, meta, _, _ in got]
-        size = sum(t.numel() * t.element_size() for _, _, g, m in got for t in (*g.values(), *m.values()))
+        size = sum(state_bytes(g, m) for _, _, g, m in got)
         seconds = time.monotonic() - started
         # state_from: the island that gave fragment 0; sources: who gave each fragment
         self.events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
@@ -106,16 +105,11 @@ class IslandCore:
         that did not come or did not fit."""
         got = []
         for p in range(self.schedule.fragments):
-            item = await self.rounds.download(p, timeout_s=self.timeouts.join_s)
-            if item is None:
+            item = await download_state(self.rounds, self.diloco, p, self.timeouts.join_s)
+            if isinstance(item, str):
+                logger.warning("fragment %d: %s", p, item)
                 break
-            meta, tensors = item
-            try:
-                g, m = self.diloco.state_from_tensors(p, tensors)
-            except ValueError as e:
-                logger.warning("state from %s does not fit: %s", meta.get("peer_id"), e)
-                break
-            got.append((p, meta, g, m))
+            got.append((p, *item))
         return got
 
     def begin(self, step: int, shard: int, batch_tokens: int) -> None:
@@ -138,11 +132,10 @@ class IslandCore:
         """Serve this island's state to joiners and begin syncing fragments on the schedule."""
         if self.role.serves_state:
             self.rounds.share_state(self._state_for_joiners, priority=float(start_step))
-        # an island may always round; a satellite's round that cannot start is `skipped_no_contact`
-        can_round = (lambda: self.role.may_round(self.network.round_budget_s)) if self.role.satellite else None
+        # a round its role does not allow now (a satellite short of contact) is `skipped_no_contact`
         self.sync = FragmentSync(
             self.diloco, self.rounds, self.params, self._on_sync, self.timeouts, run_torch=self.run_torch,
-            can_round=can_round,
+            can_round=lambda: self.role.may_round(self.network.round_budget_s),
         )
 
     def _state_for_joiners(self, fragment: int) -> tuple[dict, list]:

@@ -54,6 +54,26 @@ class Rounds(Protocol):
     def share_state(self, provider: Callable[[int], tuple[dict, list]], priority: float) -> None: ...
 
 
+async def download_state(rounds: Rounds, diloco: StreamingDiLoCo, fragment: int, timeout_s: float) -> tuple[dict, dict, dict] | str:
+    """(metadata, agreed values, momentum) of a fragment from the island of highest priority that
+    answers, checked against this island's layout, or why none came."""
+    item = await rounds.download(fragment, timeout_s=timeout_s)
+    if item is None:
+        return "no state came"
+    meta, tensors = item
+    try:
+        g, m = diloco.state_from_tensors(fragment, tensors)
+        int(meta["round"]), int(meta["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        return f"the state from {meta.get('peer_id')} does not fit: {e}"
+    return meta, g, m
+
+
+def state_bytes(*parts: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the tensors of some state dicts (a downloaded fragment's values and momentum)."""
+    return sum(t.numel() * t.element_size() for part in parts for t in part.values())
+
+
 @dataclasses.dataclass
 class Pending:
     contribution: Contribution
@@ -186,15 +206,11 @@ class FragmentSync:
     async def _download(self, fragment: int) -> tuple[dict, dict, int, int] | str:
         """The fragment's (agreed values, momentum, round, bytes) from the island of highest
         priority that answers, or why none came."""
-        item = await self.averager.download(fragment, timeout_s=self.timeouts.download_s)
-        if item is None:
-            return "no state came"
-        meta, tensors = item
-        try:
-            g, m = self.diloco.state_from_tensors(fragment, tensors)
-            return g, m, int(meta["round"]), sum(t.numel() * t.element_size() for t in tensors)
-        except (ValueError, KeyError, TypeError) as e:
-            return f"the state from {meta.get('peer_id')} does not fit: {e}"
+        got = await download_state(self.averager, self.diloco, fragment, self.timeouts.download_s)
+        if isinstance(got, str):
+            return got
+        meta, g, m = got
+        return g, m, int(meta["round"]), state_bytes(g, m)
 
     async def _take_swarm(self, fragment: int, c: Contribution) -> int:
         """After a deposit: the fragment's agreed values, momentum and round from an island, then
