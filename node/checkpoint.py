@@ -3,7 +3,8 @@
 Layout: `global.safetensors` (every fragment's agreed parameters, named as in
 the model's state dict), `local.safetensors` (the model being trained),
 `outer.safetensors` (outer Nesterov momentum, same names), `inner_opt.pt`
-(the inner optimizer's state dict) and `state.json` (step, manifest,
+(the inner optimizer's state dict), `task.pt` (a task's own state, when it has
+one: its data position, schedulers, RNG) and `state.json` (step, manifest,
 per-fragment counters, totals, and the size and SHA-256 of every other file).
 
 A save writes a complete new folder `checkpoint.new/`, then swaps it in with
@@ -33,6 +34,7 @@ from safetensors.torch import save as st_save
 FORMAT = 1
 TENSOR_FILES = ("global.safetensors", "local.safetensors", "outer.safetensors")
 OPT_FILE = "inner_opt.pt"
+TASK_FILE = "task.pt"
 
 
 class CheckpointError(Exception):
@@ -50,6 +52,8 @@ class Checkpoint:
     fragments: list[dict]
     totals: dict[str, Any]
     inner_opt: str
+    task_state: dict | None = None
+    """A task's own state (Task.state_dict), or None."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -88,6 +92,10 @@ def save(run_dir: str | os.PathLike, ckpt: Checkpoint) -> Path:
     buf = io.BytesIO()
     torch.save(ckpt.inner_opt_state, buf)
     blobs[OPT_FILE] = buf.getvalue()
+    if ckpt.task_state is not None:
+        buf = io.BytesIO()
+        torch.save(ckpt.task_state, buf)
+        blobs[TASK_FILE] = buf.getvalue()
     for name, data in blobs.items():
         _fsync_write(new / name, data)
     state = {
@@ -142,7 +150,7 @@ def _read_state(folder: Path) -> dict:
     for key in ("step", "manifest", "fragments", "files", "totals", "inner_opt"):
         if key not in state:
             raise CheckpointError(f"checkpoint {where}: state.json lacks {key!r}")
-    for name in (*TENSOR_FILES, OPT_FILE):
+    for name in _files(state):
         info = state["files"].get(name)
         path = folder / name
         if info is None or not path.exists():
@@ -184,7 +192,7 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
             + "); use another --run-dir or the checkpoint's settings"
         )
     blobs = {}
-    for name in (*TENSOR_FILES, OPT_FILE):
+    for name in _files(state):
         data = (folder / name).read_bytes()
         if hashlib.sha256(data).hexdigest() != state["files"][name]["sha256"]:
             raise CheckpointError(f"checkpoint {folder}: {name} is corrupt (checksum mismatch)")
@@ -192,6 +200,7 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
     try:
         tensors = {name: st_load(blobs[name]) for name in TENSOR_FILES}
         opt_state = _load_optimizer_state(blobs[OPT_FILE])
+        task_state = torch.load(io.BytesIO(blobs[TASK_FILE]), map_location="cpu", weights_only=True) if TASK_FILE in blobs else None
     except Exception as e:  # a file that passed its checksum but does not parse
         raise CheckpointError(f"checkpoint {folder} cannot be read: {e}") from None
     return Checkpoint(
@@ -204,4 +213,21 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
         fragments=state["fragments"],
         totals=state["totals"],
         inner_opt=state["inner_opt"],
+        task_state=task_state,
     )
+
+
+def _files(state: dict) -> tuple[str, ...]:
+    """The files a checkpoint holds (a task's state only where it has one)."""
+    return (*TENSOR_FILES, OPT_FILE, *((TASK_FILE,) if TASK_FILE in state["files"] else ()))
+
+
+def peek_shard(run_dir: str | os.PathLike) -> int | None:
+    """The data shard the run dir's checkpoint trained on, read before the checkpoint is checked
+    (a task is built on its shard before its manifest exists); None without one."""
+    recover(run_dir)
+    try:
+        shard = json.loads((checkpoint_dir(run_dir) / "state.json").read_text())["totals"]["shard"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return shard if isinstance(shard, int) and shard >= 0 else None

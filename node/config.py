@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import tomllib
 import types
@@ -172,7 +173,32 @@ class OutputConfig:
         return Path(self.log_json) if self.log_json else Path(self.run_dir) / "events.jsonl"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    task: str | None = _opt(
+        None, "train your own model: MODULE:FUNCTION, a function that takes a TaskContext and returns a Task "
+        "(README, \"Tasks\"); called on every rank; without it the built-in model trains (--model, --data)",
+        metavar="MODULE:FUNCTION",
+    )
+    task_arg: list[str] = _opt([], "an argument for the task, KEY=VALUE (repeatable; TOML: a [task.args] table)", metavar="KEY=VALUE")
+
+    def __post_init__(self):
+        if self.task is not None:
+            from .task import ENTRY
+
+            if not ENTRY.match(self.task):
+                raise ValueError(f"task {self.task!r}: expected MODULE:FUNCTION, like mypkg.train:build")
+        self.args  # noqa: B018 - checks every KEY=VALUE
+
+    @property
+    def args(self) -> dict[str, str]:
+        from .task import parse_args
+
+        return parse_args(self.task_arg)
+
+
 SECTIONS: dict[str, type] = {
+    "task": TaskConfig,
     "train": TrainConfig,
     "data": DataConfig,
     "diloco": DiLoCoConfig,
@@ -183,6 +209,7 @@ SECTIONS: dict[str, type] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     diloco: DiLoCoConfig = dataclasses.field(default_factory=DiLoCoConfig)
@@ -190,6 +217,11 @@ class Config:
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
     def __post_init__(self):
+        if self.task.task is not None:
+            if self.train.balance:
+                raise ValueError("balance sets the built-in loop's micro-batches; a task (--task) takes its own steps")
+            self._check_roles()
+            return
         model = self.train.model_config()
         if self.diloco.fragments > model.n_layer:
             raise ValueError(
@@ -203,6 +235,9 @@ class Config:
             raise ValueError("token data needs the tokenizer's vocabulary: give --vocab-size")
         if not tokens and self.train.vocab_size not in (None, 256):
             raise ValueError(f"vocab_size {self.train.vocab_size} applies to token data (--data tokens:GLOB); bytes have 256")
+        self._check_roles()
+
+    def _check_roles(self) -> None:
         if self.net.role == "satellite" and not self.net.contact:
             raise ValueError("a satellite needs --contact, e.g. 'up 20s every 60s'")
         if self.net.contact is not None and self.net.role != "satellite":
@@ -338,6 +373,9 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     known = options()
     values: dict[str, Any] = {}
     for key, value in raw.items():
+        if key == "task" and isinstance(value, dict):  # [task] entry = "..." and a [task.args] table
+            values.update(_task_table(value, path))
+            continue
         # [section] tables are accepted too, as long as each key sits in its own component
         if isinstance(value, dict) and key in SECTIONS:
             for sub, v in value.items():
@@ -350,6 +388,22 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
             raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}")
         values[key] = coerce(known[key], value, f"config file {str(path)!r}:")
     return values
+
+
+def _task_table(table: dict, path: str | os.PathLike) -> dict[str, Any]:
+    """TOML `[task]`: `entry` (the --task) and `args` (a table of --task-arg KEY = VALUE)."""
+    where = f"config file {str(path)!r}:"
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in ("entry", "task"):
+            out["task"] = coerce(options()["task"], value, where)
+        elif key == "args" and isinstance(value, dict):
+            out["task_arg"] = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in value.items()]
+        elif key in ("task_arg",):
+            out["task_arg"] = coerce(options()["task_arg"], value, where)
+        else:
+            raise ConfigError(f"config file {str(path)!r}: unknown key task.{key!r} (the [task] table takes entry and args)")
+    return out
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:

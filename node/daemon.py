@@ -65,6 +65,8 @@ def follow(cfg: Config, env: RankEnv) -> int:
     (ranks.py). Returns the exit status."""
     torch.set_num_threads(cfg.train.torch_threads or torch.get_num_threads())
     device = pick_device(cfg.train.device, env.local_rank)
+    if cfg.task.task is not None:
+        return _follow_task(cfg, env, device)
     model, layout, _ = build_model(cfg)
     model.to(device)
     corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.train.vocab_size)
@@ -85,6 +87,30 @@ def follow(cfg: Config, env: RankEnv) -> int:
             ranks.guard(trainer.step, step)
         return 0
     except RankFailure as e:
+        logger.error("rank %d: %s", env.rank, e)
+        return 1
+    finally:
+        ranks.close()
+
+
+def _follow_task(cfg: Config, env: RankEnv, device: torch.device) -> int:
+    """A follower rank of a task's island: build the task on the shard rank 0 names, then train in step."""
+    from .task import TaskError, TaskStepError, build_task, resolve, share_task_state
+
+    try:
+        fn = resolve(cfg.task.task)
+        ranks = RankGroup(env, device, None, rank_timeout_s(cfg), sharded=cfg.train.parallel == "fsdp")
+    except (TaskError, RuntimeError, ValueError) as e:
+        logger.error("rank %d: %s", env.rank, e)
+        return 1
+    try:
+        shard, _ = ranks.receive_header()
+        trainer = build_task(fn, cfg, ranks, device, shard)
+        share_task_state(ranks, trainer)
+        while (order := ranks.next_step(trainer.evaluate)) is not None:
+            ranks.guard(trainer.step, order[0])
+        return 0
+    except (RankFailure, TaskError, TaskStepError) as e:
         logger.error("rank %d: %s", env.rank, e)
         return 1
     finally:

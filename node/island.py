@@ -55,15 +55,6 @@ class IslandCore:
 
     # --- joining -------------------------------------------------------------------------
 
-    async def wait_for_islands(self, shutdown: Callable[[], bool], progress: Progress) -> None:
-        """--wait-islands: wait (bounded) until that many islands are in the swarm."""
-        want, timeout_s = self.cfg.net.wait_islands, self.timeouts.wait_timeout_s
-        seen = await self.network.wait_for_islands(
-            want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} here")),
-        )
-        if seen < want:
-            progress.note(f"only {seen} of {want} islands after {timeout_s:g}s; training anyway")
-
     async def catch_up(self, step: int, progress: Progress) -> int | None:
         """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
 
@@ -226,6 +217,16 @@ class IslandCore:
         await asyncio.gather(*self._refreshes, return_exceptions=True)
         self._refreshes.clear()
         await self.network.withdraw()
+
+
+async def wait_for_islands(network: Network, want: int, shutdown: Callable[[], bool], progress: Progress) -> None:
+    """--wait-islands: wait (bounded) until that many islands are in the swarm."""
+    timeout_s = network.timeouts.wait_timeout_s
+    seen = await network.wait_for_islands(
+        want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} here")),
+    )
+    if seen < want:
+        progress.note(f"only {seen} of {want} islands after {timeout_s:g}s; training anyway")
 
 
 class Changed:

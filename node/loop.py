@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import statistics
 import time
 from collections import deque
@@ -14,19 +15,36 @@ from pathlib import Path
 
 import torch
 from islands.models.data import load_corpus
+from islands.protocols.fragments import layout_digest
+from islands.protocols.manifest import build_manifest
 from islands.protocols.schedule import balance_accumulation
 
 from . import checkpoint as ckpt_io
+from . import task as task_api
 from .config import Config
 from .daemon import VERSION, Shutdown, StartupError, build_model, rank_timeout_s
 from .files import write_lines
-from .island import IslandCore
+from .island import IslandCore, wait_for_islands
 from .network import ManifestMismatch, Network, NetworkError
 from .outputs import Finish, Outputs, new_totals, rate
 from .progress import Progress
 from .ranks import RankEnv, RankFailure, RankGroup, pick_device
 from .roles import IslandRole, SatelliteRole, make_role
+from .task import TaskStepError, TaskTrainer, build_task, share_task_state
 from .trainer import Trainer
+
+
+def _data_seed(cfg: Config, shard: int) -> int:
+    """The seed of an island's batches: the run's, and its shard."""
+    return cfg.diloco.seed * 7919 + shard
+
+
+def _shapes(model: torch.nn.Module, layout: Sequence[Sequence[str]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """(name, shape) of every parameter, per fragment (what the averagers exchange)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return [[(n, shapes[n]) for n in names] for names in layout]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -64,8 +82,21 @@ class Island:
             self.device = pick_device(cfg.train.device, ranks.local_rank if ranks else 0)
         except ValueError as e:
             raise StartupError(str(e)) from None
-        self.model, self.layout, self.manifest = build_model(cfg)
-        self.model.to(self.device)
+        self.entry = cfg.task.task
+        """--task: the task's build function is called once the island knows its data shard (run)."""
+        self.trainer: TaskTrainer | None = None
+        self.shard = -1
+        self.resume: ckpt_io.Checkpoint | None = None
+        self.resumed_task_state: dict | None = None
+        if self.entry is not None:
+            try:
+                self.task_fn = task_api.resolve(self.entry)
+            except task_api.TaskError as e:
+                raise StartupError(str(e)) from None
+            self.model, self.layout, self.manifest, self.shapes = None, None, None, []
+        else:
+            self.model, self.layout, self.manifest = build_model(cfg)
+            self.model.to(self.device)
         self.ranks = None
         if ranks is None and cfg.train.parallel == "fsdp":
             raise StartupError("--parallel fsdp shards the model over the island's ranks: give --nproc N (N >= 2) or run under torchrun")
@@ -75,20 +106,24 @@ class Island:
             except (RuntimeError, ValueError) as e:  # the ranks did not meet (torch's store errors are RuntimeErrors)
                 raise StartupError(f"the island's {ranks.world} ranks could not meet: {e}") from None
         self.sharded = self.ranks is not None and self.ranks.sharded
-        try:
-            self.resume = ckpt_io.load(self.run_dir, self.manifest)
-        except ckpt_io.CheckpointError as e:
-            raise StartupError(str(e)) from None
+        if self.entry is not None:
+            return
+        self._load_checkpoint()
         if self.resume is not None and self.resume.inner_opt != cfg.train.inner_opt:
             raise StartupError(
                 f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} was trained with --inner-opt "
                 f"{self.resume.inner_opt}, not {cfg.train.inner_opt}; use the same or another --run-dir"
             )
-        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        self.shapes = [[(n, shapes[n]) for n in names] for names in self.layout]  # per fragment, for the averagers
+        self.shapes = _shapes(self.model, self.layout)
         try:  # before the network starts: bad data is a start-up error like any other
             self.corpus = load_corpus(cfg.data, cfg.train.seq_len, cfg.train.vocab_size)
         except ValueError as e:
+            raise StartupError(str(e)) from None
+
+    def _load_checkpoint(self) -> None:
+        try:
+            self.resume = ckpt_io.load(self.run_dir, self.manifest)
+        except ckpt_io.CheckpointError as e:
             raise StartupError(str(e)) from None
 
     async def run(
@@ -100,25 +135,28 @@ class Island:
         so that is when the caller should install its signal handlers).
         """
         role = make_role(self.cfg)
-        network = Network(self.cfg, self.manifest, self.shapes, VERSION, role)
+        network = Network(self.cfg, VERSION, role)
         try:
             try:
-                await network.start()
+                await network.open()
+                if self.entry is None:
+                    await network.start(self.manifest, self.shapes)
             except (ManifestMismatch, NetworkError) as e:
                 raise StartupError(str(e)) from None
-            ready()
+            if self.entry is None:
+                ready()
             maddrs = network.maddrs()
             if self.cfg.output.maddr_file:
                 write_lines(self.cfg.output.maddr_file, maddrs)
             join_with = next((m for m in maddrs if "/ip4/127.0.0.1/" not in m), maddrs[0] if maddrs else "")
             announce(f"islands-node {network.peer_id} listening; join with: islands-node --join {join_with}")
-            return await self._train(shutdown, network, role)
+            return await self._train(shutdown, network, role, ready)
         finally:
             await network.close()
             if self.ranks is not None:
                 self.ranks.close()
 
-    async def _train(self, shutdown: Shutdown, network: Network, role: IslandRole | SatelliteRole) -> int:
+    async def _train(self, shutdown: Shutdown, network: Network, role: IslandRole | SatelliteRole, ready: Callable[[], None]) -> int:
         # torch keeps a thread pool per calling thread: one thread for all of it avoids contention
         torch_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="torch", initializer=torch.set_num_threads, initargs=(self.threads,)
@@ -130,6 +168,9 @@ class Island:
 
         out = Outputs.open(self.cfg, self.run_dir, network)
         try:
+            if self.entry is not None:
+                await self._build_task(shutdown, network, out, run_torch)
+                ready()
             core, trainer, state = await self._join(shutdown, network, role, out, run_torch)
             await self._loop(core, trainer, state, shutdown, out, run_torch)
             finish = await self._leave(core, trainer, state, shutdown, out, run_torch)
@@ -148,19 +189,27 @@ class Island:
         if self.resume is not None:
             state.totals.update(self.resume.totals)
             state.step = self.resume.step
-        core = IslandCore(cfg, self.layout, dict(self.model.named_parameters()), network, role, out.events, state.totals, run_torch, out.metrics)
-        if cfg.net.wait_islands > 1 and not state.step:
-            await core.wait_for_islands(shutdown.is_set, out.progress)
-        shard = cfg.data.shard if cfg.data.shard >= 0 else state.totals.get("shard", -1)
-        if shard < 0:
-            shard = network.choose_shard()
+        if self.trainer is None:  # the built-in model: its shard is chosen now
+            if cfg.net.wait_islands > 1 and not state.step:
+                await wait_for_islands(network, cfg.net.wait_islands, shutdown.is_set, out.progress)
+            shard = cfg.data.shard if cfg.data.shard >= 0 else state.totals.get("shard", -1)
+            if shard < 0:
+                shard = network.choose_shard()
+            world = self.ranks.world if self.ranks else 1
+            data_seed = _data_seed(cfg, shard)
+            trainer = Trainer(
+                cfg.train, self.model, self.corpus.shard(shard), self.corpus, data_seed=data_seed, eval_batches=cfg.data.eval_batches,
+                device=self.device, world=world,
+            )
+        else:  # a task: built on its shard already
+            shard, data_seed, trainer = self.shard, _data_seed(cfg, self.shard), self.trainer
         state.totals["shard"] = shard
-        world = self.ranks.world if self.ranks else 1
-        data_seed = cfg.diloco.seed * 7919 + shard
-        trainer = Trainer(
-            cfg.train, self.model, self.corpus.shard(shard), self.corpus, data_seed=data_seed, eval_batches=cfg.data.eval_batches,
-            device=self.device, world=world,
-        )
+        params = dict(self.model.named_parameters())
+        if self.trainer is not None and self.ranks is not None:
+            params = self.ranks.view(params)  # a task's model is wrapped already: its rounds see the ranks' view
+        core = IslandCore(cfg, self.layout, params, network, role, out.events, state.totals, run_torch, out.metrics)
+        if self.trainer is not None and self.ranks is not None:
+            core.use_params(params, self.ranks.mark)
         core.begin(state.step, shard, self._batch_tokens(trainer))
         self._resume(core, trainer)
         await network.refresh()
@@ -180,38 +229,89 @@ class Island:
         state.last_checkpoint = state.step
         return core, trainer, state
 
-    def _batch_tokens(self, trainer: Trainer) -> int:
+    def _batch_tokens(self, trainer: Trainer | TaskTrainer) -> int:
+        """Tokens of one step of the island (a task's: those of its last step, 0 before the first)."""
+        if self.trainer is not None:
+            return self.trainer.last_tokens
         world = self.ranks.world if self.ranks else 1
         return self.cfg.train.batch_size * self.cfg.train.seq_len * world * trainer.accum
 
-    def _resume(self, core: IslandCore, trainer: Trainer) -> None:
-        """Load the checkpoint found at start-up, if any, into the model, optimizer and core."""
+    def _resume(self, core: IslandCore, trainer: Trainer | TaskTrainer) -> None:
+        """Load the checkpoint found at start-up, if any, into the model, optimizer, task and core."""
         r = self.resume
         if r is None:
             return
         try:
-            self.model.load_state_dict(r.local_state)
+            if self.trainer is None:
+                self.model.load_state_dict(r.local_state)
+            else:  # through the core's view: a task's model may be wrapped (and sharded) already
+                with torch.no_grad():
+                    for n, t in r.local_state.items():
+                        core.params[n].copy_(t)
+                self.trainer.load_state_dict(r.task_state)
+                self.resumed_task_state = r.task_state
             if r.inner_opt_state:  # a sharded island checkpoints none: its inner optimizer starts afresh
                 trainer.optimizer.load_state_dict(r.inner_opt_state)
             core.diloco.load(r.global_state, r.outer_state, r.fragments)
-        except (RuntimeError, KeyError, ValueError) as e:
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
         self.resume = None
 
-    async def _bring_ranks(self, core: IslandCore, trainer: Trainer, shard: int, data_seed: int, progress: Progress, run_torch) -> None:
-        """Every rank starts from this one's model and inner optimizer; the rounds then work on
-        the ranks' view of the model."""
+    async def _build_task(self, shutdown: Shutdown, network: Network, out: Outputs, run_torch) -> None:
+        """--task: choose the island's data shard, build the task on every rank (rank 0 tells the others
+        the shard), then check its checkpoint and join the run with the task's manifest."""
+        cfg = self.cfg
+        resumed_shard = ckpt_io.peek_shard(self.run_dir)
+        if cfg.net.wait_islands > 1 and resumed_shard is None:
+            await wait_for_islands(network, cfg.net.wait_islands, shutdown.is_set, out.progress)
+        shard = cfg.data.shard if cfg.data.shard >= 0 else resumed_shard if resumed_shard is not None else network.choose_shard()
+        self.shard = shard
+        ranks = self.ranks
+
+        def build() -> TaskTrainer:
+            if ranks is not None:
+                ranks.header(shard, _data_seed(cfg, shard))
+            return build_task(self.task_fn, cfg, ranks, self.device, shard)
+
+        out.progress.note(f"building task {self.entry} on data shard {shard}")
+        try:
+            self.trainer = await run_torch(build)
+        except task_api.TaskError as e:
+            raise StartupError(str(e)) from None
+        except RankFailure as e:
+            raise StartupError(f"the island's ranks could not build the task: {e}") from None
+        self.model, self.layout = self.trainer.model, self.trainer.layout
+        self.shapes = _shapes(self.model, self.layout)
+        shapes = {n: s for names in self.shapes for n, s in names}
+        self.manifest = build_manifest(
+            cfg.net.run_id, task_api.manifest_model(self.entry, self.model), cfg.diloco.manifest_fields(), layout_digest(self.layout, shapes),
+        )
+        self._load_checkpoint()
+        try:
+            await network.start(self.manifest, self.shapes)
+        except (ManifestMismatch, NetworkError) as e:
+            raise StartupError(str(e)) from None
+
+    async def _bring_ranks(self, core: IslandCore, trainer: Trainer | TaskTrainer, shard: int, data_seed: int, progress: Progress, run_torch) -> None:
+        """Every rank starts from this one's model and inner optimizer (a task's: and its state); the
+        rounds then work on the ranks' view of the model."""
         ranks = self.ranks
 
         def bring() -> None:
             ranks.header(shard, data_seed)
             ranks.attach(trainer)
 
+        def bring_task() -> None:  # wrapped already (TaskContext.parallelize); what rank 0 loaded goes out at the first step
+            share_task_state(ranks, self.trainer, self.resumed_task_state)
+            for f in range(len(self.layout)):
+                ranks.mark(f)
+
         try:
-            await run_torch(bring)
+            await run_torch(bring if self.trainer is None else bring_task)
         except RankFailure as e:
             raise StartupError(str(e)) from None
-        core.use_params(ranks.view(core.params), ranks.mark)
+        if self.trainer is None:
+            core.use_params(ranks.view(core.params), ranks.mark)
         whole, local = ranks.model_bytes()
         progress.note(
             f"{ranks.world} ranks: {self.cfg.train.parallel} on {self.device} ({'nccl' if self.device.type == 'cuda' else 'gloo'}); "
@@ -233,6 +333,10 @@ class Island:
         except RankFailure as e:
             state.reason, state.failed = f"rank failed: {e}", True
             out.progress.note(f"stopping: {e}; {self._rank_logs_hint()}")
+        except TaskStepError as e:
+            state.reason, state.failed = f"task failed: {e}", True
+            out.progress.note(f"stopping: {e} (the last checkpoint is of step {state.last_checkpoint})")
+            logger.error("%s", e, exc_info=e.__cause__)
         if shutdown.is_set() and state.reason == "completed" and state.step < steps:
             state.reason = shutdown.reason or "shutdown"
 
@@ -244,13 +348,18 @@ class Island:
         state.totals["compute_seconds"] += stats.seconds
         state.losses.append(stats.loss)
         state.rates.append((time.monotonic(), stats.tokens))
-        out.events.emit("step", step=step, loss=stats.loss, aux_loss=stats.aux_loss, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
+        extra = {"aux_loss": stats.aux_loss} if stats.aux_loss is not None else {}
+        if stats.info is not None:
+            extra["info"] = stats.info
+        out.events.emit("step", step=step, loss=stats.loss, **extra, tokens=stats.tokens, step_seconds=round(stats.seconds, 6))
+        if self.trainer is not None:
+            core.set_batch_tokens(stats.tokens)
         await core.after_step(step, stats.tokens)
         state.micro_seconds.append(stats.seconds / trainer.accum)
         if cfg.train.balance and core.schedule.ends_window(step):
             self._balance(trainer, step, statistics.median(state.micro_seconds), core.network.peer_step_seconds(), out)
             core.set_batch_tokens(self._batch_tokens(trainer))
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and trainer.evaluate is not None:
             out.events.emit("eval", step=step, eval_loss=await run_torch(trainer.evaluate))
         if core.sync.quiet and step - state.last_checkpoint >= (cfg.output.checkpoint_every or core.schedule.window):
             await run_torch(self._save, core, trainer, state)
@@ -281,7 +390,7 @@ class Island:
         await core.withdraw()
         try:
             finish.checkpoint = await run_torch(self._save, core, trainer, state)
-            if not (self.sharded and state.failed):  # a sharded evaluation needs every rank
+            if not (self.sharded and state.failed) and trainer.evaluate is not None:  # a sharded evaluation needs every rank
                 finish.eval_loss = await run_torch(trainer.evaluate)
                 finish.global_eval_loss = await run_torch(self._evaluate_global, trainer, core)
         except RankFailure as e:
@@ -299,7 +408,7 @@ class Island:
             )
         return finish
 
-    def _save(self, core: IslandCore, trainer: Trainer, state: LoopState) -> Path:
+    def _save(self, core: IslandCore, trainer: Trainer | TaskTrainer, state: LoopState) -> Path:
         """Checkpoint the island at `state.step` (the torch thread)."""
         now = time.monotonic()
         state.totals["wall_seconds"] += now - state.wall_mark
@@ -318,7 +427,8 @@ class Island:
                 inner_opt_state={} if self.sharded else trainer.optimizer.state_dict(),
                 fragments=d.counters_state(),
                 totals=state.totals,
-                inner_opt=self.cfg.train.inner_opt,
+                inner_opt=self.cfg.train.inner_opt if self.trainer is None else type(trainer.optimizer).__name__,
+                task_state=None if self.trainer is None else self.trainer.state_dict(),
             ),
         )
 

@@ -71,17 +71,15 @@ class Status:
 
 
 class Network:
-    def __init__(
-        self, cfg: Config, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]], version: str,
-        role: IslandRole | SatelliteRole | None = None,
-    ):
+    def __init__(self, cfg: Config, version: str, role: IslandRole | SatelliteRole | None = None):
         """`role`: an island (the default) or a satellite, which out of its contact windows neither
         publishes nor reads records, and deposits its rounds instead of joining them."""
         self.cfg = cfg
         self.role = role or IslandRole()
         self.contact: ContactClock | None = self.role.contact
-        self.manifest = manifest
-        self.shapes = shapes
+        self.manifest: dict | None = None
+        """The run manifest, once `start` has it (a task's needs the task built, after `open`)."""
+        self.shapes: list[list[tuple[str, tuple[int, ...]]]] = []
         self.version = version
         self.timeouts = Timeouts.from_config(cfg)
         self.status = Status(next_sync=[0] * cfg.diloco.fragments, last_sync=[{} for _ in range(cfg.diloco.fragments)])
@@ -92,6 +90,7 @@ class Network:
         """The newest record ever read of each peer: where to dial it again if the DHT loses it."""
         self._task: asyncio.Task | None = None
         self._maddrs: list[str] = []
+        self._swarm_key: bytes | None = None
         self.refusals = RefusalLog()
         self.on_refused: Callable[[str], None] = lambda what: logger.warning("refused: %s", what)
         """Hears of every refusal (a peer without the swarm key, a banned peer), in this process."""
@@ -122,7 +121,8 @@ class Network:
         """As read once at start: asking the DHT process again blocks, with no bound, while it is busy."""
         return list(self._maddrs)
 
-    async def start(self) -> None:
+    async def open(self) -> None:
+        """Start the DHT: the node listens and can read the swarm's records (`start` joins the run)."""
         net = self.cfg.net
         swarm_key = None
         if net.swarm_key:
@@ -152,6 +152,15 @@ class Network:
             raise NetworkError(f"cannot start the DHT{joined}: {e}{hint}") from None
         self._maddrs = await asyncio.wait_for(asyncio.to_thread(self.dht.visible_maddrs), timeout=self.timeouts.start_s)
         _ = self.dht.peer_id  # cached by hivemind after the first call
+        self._swarm_key = swarm_key
+
+    async def start(self, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+        """Join the run: check (or write) its manifest, start averaging the fragments of these
+        shapes, publish this island's record and keep it fresh. Opens the DHT first if need be."""
+        if self.dht is None:
+            await self.open()
+        self.manifest, self.shapes = manifest, shapes
+        swarm_key = self._swarm_key
         await self._check_manifest()
         # in the main thread: hivemind's averagers set signal handlers as they start
         self.averaging = FragmentAveraging(
@@ -227,7 +236,7 @@ class Network:
                 averager.state_sharing_priority = float(self.status.step)
         try:
             await self.dht.store_island(self.record())
-            if self.status.state != "left":
+            if self.status.state != "left" and self.manifest is not None:
                 await self.dht.store_manifest(self.manifest)
             self._read(await self.dht.islands())
         except Exception as e:  # noqa: BLE001 - the DHT may be briefly unreachable

@@ -77,6 +77,18 @@ class ShardedParams(Mapping[str, torch.Tensor]):
         return len(self.group.mirror)
 
 
+def layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one: the elements of the outermost module lists (a
+    transformer's blocks or layers; the experts inside a block go with their block)."""
+    lists: list[str] = []
+    out: list[torch.nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(outer + ".") for outer in lists):
+            lists.append(name)
+            out.extend(module)
+    return out
+
+
 class RankFailure(RuntimeError):
     """Another rank of this island is gone (or frozen): the island cannot go on."""
 
@@ -145,13 +157,14 @@ class RankGroup:
     """This island's ranks: rank 0 drives (start, before_step, stop); the others follow (serve)."""
 
     def __init__(
-        self, env: RankEnv, device: torch.device, layout: Sequence[Sequence[str]], timeout_s: float = TIMEOUT_S,
+        self, env: RankEnv, device: torch.device, layout: Sequence[Sequence[str]] | None, timeout_s: float = TIMEOUT_S,
         sharded: bool = False,
     ):
-        """`sharded`: FSDP2 (--parallel fsdp) instead of DDP."""
+        """`sharded`: FSDP2 (--parallel fsdp) instead of DDP; `layout`: the fragments (a task's is set
+        later, once it is built: `set_layout`)."""
         self.env = env
         self.device = device
-        self.layout = [list(names) for names in layout]
+        self.layout = [list(names) for names in layout or []]
         self.sharded = sharded
         self.changed: set[int] = set()
         self.fresh: set[int] = set()
@@ -205,7 +218,8 @@ class RankGroup:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (every parameter broadcast from rank 0 as it is built). Experts that
-        no token of a batch reached have no gradient: find_unused_parameters.
+        no token of a batch reached have no gradient: find_unused_parameters. Buffers are not
+        broadcast at each forward: each rank computes its own (the same).
         Sharded: every parameter from rank 0, then FSDP2 `fully_shard` on each block and the root;
         rank 0 first keeps a full CPU copy (pinned on CUDA)."""
         if not self.sharded:
@@ -215,6 +229,8 @@ class RankGroup:
                 wrapped = DistributedDataParallel(
                     model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                     find_unused_parameters=True,
+                    # no collective in a forward: rank 0 evaluates alone (through a task's wrapper too)
+                    broadcast_buffers=False,
                 )
             self.params = dict(model.named_parameters())
             return wrapped
@@ -231,13 +247,27 @@ class RankGroup:
             for p in model.parameters():
                 self._broadcast(p.data)
         with _collective():
-            for block in getattr(model, "blocks", []):
-                fully_shard(block)
+            for layer in layer_modules(model):
+                fully_shard(layer)
             fully_shard(model)
         self.params = dict(model.named_parameters())
         self.fresh = set(range(len(self.layout)))
         self.model = model
         return model
+
+    def set_layout(self, layout: Sequence[Sequence[str]]) -> None:
+        """The fragments of a task's model, known once it is built (and wrapped)."""
+        self.layout = [list(names) for names in layout]
+        if self.sharded:
+            self.fresh = set(range(len(self.layout)))
+
+    def share_object(self, value):
+        """Every rank: rank 0's `value` (a task's state on a resume), as picklable data."""
+        self._check_thread()
+        box = [value if self.rank == 0 else None]
+        with _collective():
+            dist.broadcast_object_list(box, src=0, device=self._ctl_device)
+        return box[0]
 
     def fragment_bytes(self) -> int:
         """Bytes of the largest fragment's parameters (what a whole-fragment gather would hold)."""
@@ -253,11 +283,9 @@ class RankGroup:
 
     def share_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank takes rank 0's inner optimizer state (a resume)."""
-        box = [optimizer.state_dict() if self.rank == 0 else None]
-        with _collective():
-            dist.broadcast_object_list(box, src=0, device=self._ctl_device)
+        state = self.share_object(optimizer.state_dict() if self.rank == 0 else None)
         if self.rank:
-            optimizer.load_state_dict(box[0])
+            optimizer.load_state_dict(state)
 
     def all_mean(self, values: Sequence[float]) -> list[float]:
         """The ranks' mean of a few numbers (the step's loss)."""

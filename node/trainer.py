@@ -55,9 +55,11 @@ def lr_multiplier(step: int, warmup_steps: int) -> float:
 @dataclasses.dataclass
 class StepStats:
     loss: float
-    aux_loss: float
+    aux_loss: float | None
     tokens: int
     seconds: float
+    info: dict | None = None
+    """A task's own figures for the step (StepResult.info)."""
 
 
 class Trainer:

@@ -73,7 +73,7 @@ class FakeNetwork(Network):
     on the board's clock; its waits between two looks move that clock instead of sleeping."""
 
     def __init__(self, board: Board, peer_id: str, cfg: Config, role: IslandRole | SatelliteRole | None = None):
-        super().__init__(cfg, manifest={}, shapes=[], version="fake", role=role)
+        super().__init__(cfg, version="fake", role=role)
         self.board, self._peer_id = board, peer_id
 
     @property
