@@ -7,7 +7,7 @@ __all__ = ["StepResult", "Task", "TaskContext", "attach"]
 
 def __getattr__(name: str):
     if name == "attach":  # the network and the island core load only when asked for
-        from .attach import attach
+        from .attached import attach
 
         return attach
     raise AttributeError(name)

@@ -105,7 +105,7 @@ def _follow_task(cfg: Config, env: RankEnv, device: torch.device) -> int:
         return 1
     try:
         shard, _ = ranks.receive_header()
-        trainer = build_task(fn, cfg, ranks, device, shard)
+        trainer = build_task(fn, cfg.task.task, cfg, ranks, device, shard)
         share_task_state(ranks, trainer)
         while (order := ranks.next_step(trainer.evaluate)) is not None:
             ranks.guard(trainer.step, order[0])

@@ -31,7 +31,10 @@ from .progress import Progress
 from .ranks import RankEnv, RankFailure, RankGroup, pick_device
 from .roles import IslandRole, SatelliteRole, make_role
 from .task import TaskStepError, TaskTrainer, build_task, share_task_state
-from .trainer import Trainer
+from .trainer import StepStats, Trainer
+
+ATTACHED = "attach"
+"""The task entry of an island driven by the user's own loop (attach.py)."""
 
 
 def _data_seed(cfg: Config, shard: int) -> int:
@@ -69,9 +72,10 @@ class Island:
     """The built-in training loop (model, byte data, inner optimizer, evaluation, --balance,
     checkpoints, progress, metrics) on top of the island core (island.py)."""
 
-    def __init__(self, cfg: Config, ranks: RankEnv | None = None, rank_logs: Sequence[Path] = ()):
+    def __init__(self, cfg: Config, ranks: RankEnv | None = None, rank_logs: Sequence[Path] = (), task: task_api.Task | None = None):
         """`ranks`: this node is rank 0 of an island of several data-parallel ranks (ranks.py);
-        `rank_logs`: the other ranks' logs, where this node started them (--nproc)."""
+        `rank_logs`: the other ranks' logs, where this node started them (--nproc); `task`: a task
+        built already (`attach`), instead of --task's or the built-in model."""
         self.cfg = cfg
         self.rank_logs = list(rank_logs)
         self.run_dir = Path(cfg.output.run_dir)
@@ -82,13 +86,16 @@ class Island:
             self.device = pick_device(cfg.train.device, ranks.local_rank if ranks else 0)
         except ValueError as e:
             raise StartupError(str(e)) from None
-        self.entry = cfg.task.task
+        self.entry = cfg.task.task if task is None else ATTACHED
         """--task: the task's build function is called once the island knows its data shard (run)."""
         self.trainer: TaskTrainer | None = None
         self.shard = -1
         self.resume: ckpt_io.Checkpoint | None = None
         self.resumed_task_state: dict | None = None
-        if self.entry is not None:
+        if task is not None:
+            self.task_fn = lambda ctx: task
+            self.model, self.layout, self.manifest, self.shapes = None, None, None, []
+        elif self.entry is not None:
             try:
                 self.task_fn = task_api.resolve(self.entry)
             except task_api.TaskError as e:
@@ -145,16 +152,20 @@ class Island:
                 raise StartupError(str(e)) from None
             if self.entry is None:
                 ready()
-            maddrs = network.maddrs()
-            if self.cfg.output.maddr_file:
-                write_lines(self.cfg.output.maddr_file, maddrs)
-            join_with = next((m for m in maddrs if "/ip4/127.0.0.1/" not in m), maddrs[0] if maddrs else "")
-            announce(f"islands-node {network.peer_id} listening; join with: islands-node --join {join_with}")
+            announce(self.listening(network))
             return await self._train(shutdown, network, role, ready)
         finally:
             await network.close()
             if self.ranks is not None:
                 self.ranks.close()
+
+    def listening(self, network: Network) -> str:
+        """Write --maddr-file; the line that tells where others join."""
+        maddrs = network.maddrs()
+        if self.cfg.output.maddr_file:
+            write_lines(self.cfg.output.maddr_file, maddrs)
+        join_with = next((m for m in maddrs if "/ip4/127.0.0.1/" not in m), maddrs[0] if maddrs else "")
+        return f"islands-node {network.peer_id} listening; join with: islands-node --join {join_with}"
 
     async def _train(self, shutdown: Shutdown, network: Network, role: IslandRole | SatelliteRole, ready: Callable[[], None]) -> int:
         # torch keeps a thread pool per calling thread: one thread for all of it avoids contention
@@ -257,7 +268,7 @@ class Island:
             raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
         self.resume = None
 
-    async def _build_task(self, shutdown: Shutdown, network: Network, out: Outputs, run_torch) -> None:
+    async def _build_task(self, shutdown: Shutdown, network: Network, out: Outputs, run_torch, in_main_thread=None) -> None:
         """--task: choose the island's data shard, build the task on every rank (rank 0 tells the others
         the shard), then check its checkpoint and join the run with the task's manifest."""
         cfg = self.cfg
@@ -271,7 +282,7 @@ class Island:
         def build() -> TaskTrainer:
             if ranks is not None:
                 ranks.header(shard, _data_seed(cfg, shard))
-            return build_task(self.task_fn, cfg, ranks, self.device, shard)
+            return build_task(self.task_fn, self.entry, cfg, ranks, self.device, shard)
 
         out.progress.note(f"building task {self.entry} on data shard {shard}")
         try:
@@ -288,7 +299,7 @@ class Island:
         )
         self._load_checkpoint()
         try:
-            await network.start(self.manifest, self.shapes)
+            await network.start(self.manifest, self.shapes, in_main_thread)
         except (ManifestMismatch, NetworkError) as e:
             raise StartupError(str(e)) from None
 
@@ -341,12 +352,18 @@ class Island:
             state.reason = shutdown.reason or "shutdown"
 
     async def _one_step(self, core: IslandCore, trainer: Trainer, state: LoopState, out: Outputs, run_torch) -> None:
-        cfg = self.cfg
         stats = await run_torch(self._inner_step, trainer, state.step + 1)
+        await self._after_inner(core, trainer, state, out, run_torch, stats)
+
+    async def _after_inner(self, core: IslandCore, trainer: Trainer | TaskTrainer, state: LoopState, out: Outputs, run_torch, stats: StepStats) -> None:
+        """An inner step was taken (by this loop, or by the user's own under `attach`): log it, start
+        and apply the rounds it calls for, evaluate, checkpoint, report."""
+        cfg = self.cfg
         state.step = step = state.step + 1
         state.totals["tokens"] += stats.tokens
         state.totals["compute_seconds"] += stats.seconds
-        state.losses.append(stats.loss)
+        if stats.loss is not None:  # an attached island may not be told its loss
+            state.losses.append(stats.loss)
         state.rates.append((time.monotonic(), stats.tokens))
         extra = {"aux_loss": stats.aux_loss} if stats.aux_loss is not None else {}
         if stats.info is not None:
@@ -369,7 +386,7 @@ class Island:
         out.progress.update(step, stats.loss, tokens_per_s, f"f{frag}@{at}")
         core.publish(step, tokens_per_s, stats.seconds)
         if out.metrics is not None:
-            out.metrics.on_step(step, stats.loss, stats.tokens, tokens_per_s)
+            out.metrics.on_step(step, float("nan") if stats.loss is None else stats.loss, stats.tokens, tokens_per_s)
 
     def _inner_step(self, trainer: Trainer, step: int):
         if self.ranks is None:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from islands.node.net.authorizer import RefusalLog
@@ -154,22 +154,29 @@ class Network:
         _ = self.dht.peer_id  # cached by hivemind after the first call
         self._swarm_key = swarm_key
 
-    async def start(self, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+    async def start(
+        self, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]],
+        in_main_thread: Callable[[Callable], Awaitable] | None = None,
+    ) -> None:
         """Join the run: check (or write) its manifest, start averaging the fragments of these
-        shapes, publish this island's record and keep it fresh. Opens the DHT first if need be."""
+        shapes, publish this island's record and keep it fresh. Opens the DHT first if need be.
+        `in_main_thread(fn)`: runs `fn` in the process's main thread, where this event loop does not
+        run (`attach`): hivemind's averagers set a signal handler as they start."""
         if self.dht is None:
             await self.open()
         self.manifest, self.shapes = manifest, shapes
         swarm_key = self._swarm_key
         await self._check_manifest()
-        # in the main thread: hivemind's averagers set signal handlers as they start
-        self.averaging = FragmentAveraging(
-            self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
-            self.expected_group, self.timeouts,
-            peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
-            follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
-            deposit_targets=self.deposit_targets,
-        )
+        def averaging() -> FragmentAveraging:  # in the main thread: hivemind's averagers set signal handlers as they start
+            return FragmentAveraging(
+                self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
+                self.expected_group, self.timeouts,
+                peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
+                follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
+                deposit_targets=self.deposit_targets,
+            )
+
+        self.averaging = averaging() if in_main_thread is None else await in_main_thread(averaging)
         await self.averaging.open_deposits(self.dht.dht)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())

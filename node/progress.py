@@ -34,8 +34,9 @@ class Progress:
         self._every = max(1, total_steps // 20)
         self._drawn = False
 
-    def update(self, step: int, loss: float, tokens_per_s: float, next_sync: str) -> None:
-        text = f"[{self.label} - step {step}/{self.total}] loss {loss:.3f}  {format_rate(tokens_per_s)} tok/s  next sync {next_sync}"
+    def update(self, step: int, loss: float | None, tokens_per_s: float, next_sync: str) -> None:
+        shown = "n/a" if loss is None else f"{loss:.3f}"
+        text = f"[{self.label} - step {step}/{self.total}] loss {shown}  {format_rate(tokens_per_s)} tok/s  next sync {next_sync}"
         if self.mode == "bar":
             now = self._clock()
             if now - self._last_draw >= 0.1 or step == self.total:

@@ -189,10 +189,9 @@ def plain_state(state: Mapping[str, Any], entry: str) -> dict:
     return dict(state)
 
 
-def build_task(fn: Callable[[TaskContext], Task], cfg, ranks, device: torch.device, shard: int) -> TaskTrainer:
+def build_task(fn: Callable[[TaskContext], Task], entry: str, cfg, ranks, device: torch.device, shard: int) -> TaskTrainer:
     """Build the task on this rank (`ranks`: the island's RankGroup, or None), wrapped for the island's
     ranks, with its fragment layout checked: what the loop (or a follower rank) drives."""
-    entry = cfg.task.task
     wrapped: list[torch.nn.Module] = []
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -54,7 +54,7 @@ def lr_multiplier(step: int, warmup_steps: int) -> float:
 
 @dataclasses.dataclass
 class StepStats:
-    loss: float
+    loss: float | None
     aux_loss: float | None
     tokens: int
     seconds: float
