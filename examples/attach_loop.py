@@ -2,9 +2,11 @@
 
     python examples/attach_loop.py --run-dir run-a                          # starts a swarm
     python examples/attach_loop.py --run-dir run-b --shard 1 --option join=/ip4/.../p2p/Qm...
+    torchrun --nproc-per-node 2 examples/attach_loop.py --run-dir run-c    # an island of 2 DDP ranks
 """
 
 import argparse
+import os
 import sysconfig
 from pathlib import Path
 
@@ -43,11 +45,15 @@ def main():
     args = ap.parse_args()
 
     torch.manual_seed(0)  # every island starts from the same model
-    model, seq, batch = TinyLM(), 64, 16
+    model, seq, batch, rank = TinyLM(), 64, 16, int(os.environ.get("RANK", "0"))
+    net = model
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the island's ranks share its work (DDP)
+        torch.distributed.init_process_group("gloo")
+        net = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.frombuffer(bytearray(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_bytes()), dtype=torch.uint8).long()
     train, held_out = data[: int(len(data) * 0.9)], data[int(len(data) * 0.9) :]
-    gen = torch.Generator().manual_seed(1000 + args.shard)
+    gen = torch.Generator().manual_seed(1000 + 100 * args.shard + rank)
 
     def sample(tokens, g):
         i = torch.randint(len(tokens) - seq - 1, (batch,), generator=g)
@@ -60,17 +66,17 @@ def main():
 
     options = dict(kv.split("=", 1) for kv in args.option)
     island = attach(
-        model, opt, run_dir=args.run_dir, steps=args.steps, progress=args.progress, window=20, fragments=2, evaluate=evaluate,
+        net, opt, run_dir=args.run_dir, steps=args.steps, progress=args.progress, window=20, fragments=2, evaluate=evaluate,
         state_dict=lambda: {"rng": gen.get_state()}, load_state_dict=lambda s: gen.set_state(s["rng"]), **options,
     )
     with island:  # leaves the swarm cleanly, with a checkpoint, however the loop ends
         for _ in range(island.start_step, island.steps):
             x, y = sample(train, gen)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            island.step(tokens=x.numel(), loss=loss.item())
+            island.step(tokens=x.numel(), loss=loss.item())  # this rank's tokens: rank 0 counts the island's
 
 
 if __name__ == "__main__":

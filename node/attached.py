@@ -66,24 +66,33 @@ class AttachedIsland:
         if cfg.task.task is not None:
             raise IslandError("attach drives the caller's own model: leave out task")
         env = RankEnv.from_environ(os.environ)
-        if env is not None:
-            raise IslandError("attach runs one rank per island for now: under torchrun, use --task (README, \"Tasks\")")
+        if env is not None and cfg.train.parallel != "ddp":
+            raise IslandError("attach under torchrun works with DistributedDataParallel (parallel ddp); for FSDP, use --task")
         self.steps = cfg.train.steps
         """The run's last step (the `steps` option)."""
         task = Task(
             model=model, optimizer=optimizer, train_step=_not_called, evaluate=evaluate, state_dict=state_dict,
             load_state_dict=load_state_dict, fragments=layout,
         )
+        self._closed = False
+        self._follower: _Follower | None = None
+        if env is not None and env.rank > 0:  # under torchrun: rank 0 is the island, this rank follows it
+            try:
+                self._follower = _Follower(cfg, env, task)
+            except Exception as e:  # noqa: BLE001 - rank 0 failed, or the task does not fit
+                raise IslandError(f"rank {env.rank}: {e}") from None
+            self._start_step = self._follower.start_step
+            atexit.register(self.close)
+            return
         self._jobs: queue.Queue = queue.Queue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="islands-attach", daemon=True)
         self._thread.start()
-        self._closed = False
         self._last = time.perf_counter()
         from .loop import Island  # the network and the core load here, not at `import islands.node`
 
         try:
-            self._island = Island(cfg, None, task=task)
+            self._island = Island(cfg, env, task=task)
         except StartupError as e:
             self._stop_loop()
             raise IslandError(str(e)) from None
@@ -96,6 +105,7 @@ class AttachedIsland:
             self._run = self._call(self._start(), timeout_s=START_TIMEOUT_S, starting=True)
         finally:
             signal.signal(signal.SIGINT, sigint)  # hivemind's averagers ignore SIGINT as they start: Ctrl-C is the caller's
+        self._tell_ranks()
         atexit.register(self.close)
 
     # --- the caller's side ---------------------------------------------------------------
@@ -109,24 +119,39 @@ class AttachedIsland:
     @property
     def step_count(self) -> int:
         """Inner steps taken so far (the swarm's count)."""
-        return self._run.state.step
+        return self._follower.step if self._follower else self._run.state.step
 
     @property
     def done(self) -> bool:
         """The run reached its last step (`steps`)."""
-        return self._run.state.step >= self.steps
+        return self.step_count >= self.steps
 
     def step(self, tokens: int, loss: float | None = None, info: dict | None = None) -> None:
-        """One inner step was taken on `tokens` tokens (with this `loss`): start or apply the rounds
-        the schedule says, checkpoint when it is time. Blocks only for what happens at this step."""
+        """One inner step was taken on `tokens` tokens (this rank's; with this `loss`): start or apply
+        the rounds the schedule says, checkpoint when it is time. Blocks only for what happens at this
+        step. Under torchrun every rank calls it: the others take what rank 0 changed."""
         if self._closed:
             raise IslandError("step() after close()")
+        ranks = self._follower.ranks if self._follower is not None else self._island.ranks
+        if ranks is not None:  # the island's tokens: every rank's
+            tokens = round(ranks.all_mean([float(tokens)])[0] * ranks.world)
+        if self._follower is not None:
+            self._follower.next()
+            return
         now = time.perf_counter()
         stats = StepStats(None if loss is None else float(loss), None, int(tokens), now - self._last, info=info)
         r = self._run
         r.trainer.last_tokens = stats.tokens
         self._call(r.island._after_inner(r.core, r.trainer, r.state, r.out, self._run_torch, stats))
+        self._tell_ranks()
         self._last = time.perf_counter()
+
+    def _tell_ranks(self) -> None:
+        """Rank 0 under torchrun: the other ranks take the fragments this island changed (a resume,
+        a round's result) before the next step; they wait for it in their own step()."""
+        ranks = self._island.ranks
+        if ranks is not None:
+            ranks.before_step(self._run.state.step + 1)
 
     def close(self) -> None:
         """Finish the rounds in flight, agree the model with the other islands (when the run reached
@@ -135,10 +160,15 @@ class AttachedIsland:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._follower is not None:
+            self._follower.close()
+            return
         try:
             self._call(self._finish(), timeout_s=None)
         finally:
             self._stop_loop()
+            if self._island.ranks is not None:
+                self._island.ranks.close()
 
     def __enter__(self) -> AttachedIsland:
         return self
@@ -229,6 +259,41 @@ class AttachedIsland:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+class _Follower:
+    """Rank 1.. of an attached island under torchrun: no network; before each of its steps it takes
+    the fragments rank 0 changed (ranks.py's protocol); the user's DDP averages the gradients."""
+
+    def __init__(self, cfg, env: RankEnv, task: Task):
+        from .daemon import rank_timeout_s
+        from .loop import ATTACHED
+        from .ranks import RankGroup, pick_device
+        from .task import build_task, share_task_state
+
+        device = pick_device(cfg.train.device, env.local_rank)
+        self.ranks = RankGroup(env, device, None, rank_timeout_s(cfg))
+        shard, _ = self.ranks.receive_header()
+        trainer = build_task(lambda ctx: task, ATTACHED, cfg, self.ranks, device, shard)
+        share_task_state(self.ranks, trainer)
+        self.step = -1
+        self.next()
+        self.start_step = self.step
+
+    def next(self) -> None:
+        """Serve rank 0 up to its next step (taking the fragments it changed)."""
+        order = self.ranks.next_step()
+        if order is None:
+            raise IslandError("rank 0 of this island has stopped")
+        self.step = order[0] - 1
+
+    def close(self) -> None:
+        """Serve rank 0 until it stops this rank (at its own close)."""
+        try:
+            while self.ranks.next_step() is not None:
+                pass
+        finally:
+            self.ranks.close()
 
 
 class _Run:

@@ -180,7 +180,14 @@ class RankGroup:
         self.gather_peak_bytes = 0
         """Sharded: the most bytes of gathered full tensors held at once on this rank's device."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=datetime.timedelta(seconds=timeout_s))
+        self.owns_group = not dist.is_initialized()
+        """False where the caller made the process group (a user's loop under `attach`): it stays theirs."""
+        if self.owns_group:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=datetime.timedelta(seconds=timeout_s))
+        elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world):
+            raise ValueError(f"the process group is rank {dist.get_rank()} of {dist.get_world_size()}, the environment says {env.rank} of {env.world}")
+        else:
+            backend = dist.get_backend()
         # control messages travel on the compute device for NCCL, on CPU for gloo
         self._ctl_device = device if backend == "nccl" else torch.device("cpu")
 
@@ -445,7 +452,7 @@ class RankGroup:
                     return step, accum
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly

@@ -1,8 +1,11 @@
 """The Task API, `attach` and the examples: bring your own model, optimizer, step and loop."""
 
+import contextlib
 import importlib.util
 import json
+import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -207,11 +210,15 @@ def test_a_stopped_island_resumes_at_its_step_on_the_batch_it_would_have_read(no
     assert [e["info"]["batch"] for e in steps] == [batches[s] for s in range(k + 1, 31)]
 
 
-def test_two_attached_loops_train_one_model(nodes, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "torchrun-two-ranks"])
+def test_two_attached_loops_train_one_model(nodes, tmp_path, ranks):
+    """Example 2 on two islands; with `torchrun-two-ranks`, A is two DDP ranks of it under torchrun."""
     script = [sys.executable, "examples/attach_loop.py"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "examples/attach_loop.py"]
     common = ["--steps", "60", "--option", "wait_islands=2", "--option", "run_id=attached"]
     maddr = tmp_path / "a.maddr"
-    a = nodes([*common, "--option", f"maddr_file={maddr}"], tmp_path / "a", name="a", command=script)
+    a = nodes([*common, "--option", f"maddr_file={maddr}"], tmp_path / "a", name="a", command=script if ranks == 1 else torchrun)
     b = nodes([*common, "--shard", "1", "--option", f"join={a.wait_file(maddr, 90)}"], tmp_path / "b", name="b", command=script)
     for node in (a, b):
         assert node.wait_exit(200) == 0, node.stderr()
@@ -219,5 +226,31 @@ def test_two_attached_loops_train_one_model(nodes, tmp_path):
         assert [e["step"] for e in node.of("step")] == list(range(1, 61))
         assert any(s["outcome"] == "ok" and s["group_size"] == 2 for s in node.of("sync"))
         assert node.of("summary")[0]["eval_loss"] < node.of("step")[0]["loss"] - 1.0
+    assert all(e["tokens"] == ranks * 16 * 64 for e in a.of("step"))  # the island's: every rank's
+    if ranks == 2:
+        assert a.of("ranks")[0]["param_spread"] == 0.0  # the ranks ended identical
     ga, gb = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "ab")
     assert _max_diff(ga, gb) < 1e-4
+
+
+@needs_hf
+@pytest.mark.network
+def test_the_torchrun_example_runs_a_ddp_and_an_fsdp_island(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISLANDS_")}
+    env.update(STEPS="20", PYTHON=sys.executable, PORT_A=str(free_port()), PORT_B=str(free_port()))
+    proc = subprocess.Popen(
+        ["bash", "examples/torchrun_hf.sh", str(tmp_path)], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=280)
+    finally:  # nothing of the two islands is left behind, whatever happened
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    for name, parallel in (("a", "ddp"), ("b", "fsdp")):
+        events = [json.loads(line) for line in (tmp_path / name / "events.jsonl").read_text().splitlines()]
+        [ranks] = [e for e in events if e["event"] == "ranks"]
+        assert ranks["world"] == 2 and ranks["parallel"] == parallel
+        assert events[-1]["event"] == "summary" and events[-1]["steps"] == 20
+    assert _max_diff(*(tmp_path / n / "checkpoint" / "global.safetensors" for n in "ab")) < 1e-4
