@@ -1,5 +1,7 @@
-"""The built-in training loop: the model, byte data, the inner optimizer, evaluation,
---balance, checkpoints, progress and metrics, on top of the island core (island.py)."""
+"""The island's training loop, on top of the island core (island.py): the built-in model (byte or
+token data, the inner optimizer, --balance) or a task (task.py: the user's model, optimizer and
+step), with evaluation, checkpoints, progress and metrics. `attach` (attached.py) drives the same
+loop's join, per-step and leave parts from the user's own loop."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from .roles import IslandRole, SatelliteRole, make_role
 from .task import TaskStepError, TaskTrainer, build_task, share_task_state
 from .trainer import StepStats, Trainer
 
+logger = logging.getLogger(__name__)
+
 ATTACHED = "attach"
 """The task entry of an island driven by the user's own loop (attach.py)."""
 
@@ -46,8 +50,6 @@ def _shapes(model: torch.nn.Module, layout: Sequence[Sequence[str]]) -> list[lis
     """(name, shape) of every parameter, per fragment (what the averagers exchange)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return [[(n, shapes[n]) for n in names] for names in layout]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -69,8 +71,7 @@ class LoopState:
 
 
 class Island:
-    """The built-in training loop (model, byte data, inner optimizer, evaluation, --balance,
-    checkpoints, progress, metrics) on top of the island core (island.py)."""
+    """The training loop of an island (the built-in model or a task) on top of the island core."""
 
     def __init__(self, cfg: Config, ranks: RankEnv | None = None, rank_logs: Sequence[Path] = (), task: task_api.Task | None = None):
         """`ranks`: this node is rank 0 of an island of several data-parallel ranks (ranks.py);
