@@ -1,0 +1,266 @@
+"""A round of the project's own averaging protocol, sans-IO: its members, what each must hold, and
+when it commits or aborts (issue 17; not yet on the data path, which is still hivemind's averager).
+
+A round is (fragment, number). Its members are the live islands whose records advertise it; a
+satellite never is one. Every member contributes one *part* — its weighted contribution, encoded
+(quantized) once — and sends it to every other member (an all-gather: with a few islands each
+value then crosses the wire once per receiver and is quantized only by its owner). A member that
+holds every member's part says so to the others (`have`, with a digest of the parts it holds).
+The round commits at a member once every member has said `have` with the same digest: then all
+of them hold the same parts and reduce them in the same order (`reduction_order`), in fp32, so
+their results are bit-identical. A member that is gone (its connections closed) or silent past
+the attempt's deadline aborts the attempt; the survivors retry at once without it, keeping the
+parts they already hold from each other, until `max_attempts`; with fewer than two members left
+the round fails (each applies its own update alone, as today). A member that dies after every
+`have` was sent may leave some members committed and others retrying: a committed member answers
+a retrying one's `have` with what it committed, and the other, which holds the same parts (it
+said so), commits the same (`Committed`). No round splits between members that stay up.
+
+Events in: `PartArrived`, `HaveAll`, `Committed`, `PeerGone`, `Tick`. Actions out: `SendPart`,
+`SendHave`, `SendCommitted`, `Commit`, `Abort`, `Fail`. Time comes in as an argument (`now`);
+nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+# --- events ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PartArrived:
+    """`peer`'s whole part arrived (every chunk, authenticated); `digest` is its hash."""
+
+    peer: str
+    digest: str
+    attempt: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HaveAll:
+    """`peer` holds every part of its attempt's members; `parts` digests which (parts_digest)."""
+
+    peer: str
+    parts: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """`peer` committed the round with these members' parts (it answers a member still retrying)."""
+
+    peer: str
+    members: tuple[str, ...]
+    parts: str
+    attempts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerGone:
+    """The transport lost `peer` (its connections closed or it was refused)."""
+
+    peer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """Time passed (a deadline may have)."""
+
+
+Event = PartArrived | HaveAll | Committed | PeerGone | Tick
+
+# --- actions --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SendPart:
+    to: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SendHave:
+    to: str
+    parts: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SendCommitted:
+    """Tell `to` (still retrying) what this member committed."""
+
+    to: str
+    commit: Commit
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """Reduce these members' parts in this order: every member of the round does the same."""
+
+    members: tuple[str, ...]
+    parts: str
+    attempts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """This attempt ends without `dropped`; the next one runs with `members` (retry at once)."""
+
+    reason: str
+    dropped: tuple[str, ...]
+    members: tuple[str, ...]
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    """No round: too few members left, or too many attempts. Each member goes on alone."""
+
+    reason: str
+    attempts: int
+
+
+Action = SendPart | SendHave | SendCommitted | Commit | Abort | Fail
+
+
+# --- pure helpers ---------------------------------------------------------------------------
+
+
+def reduction_order(members: Iterable[str]) -> tuple[str, ...]:
+    """The order every member adds the parts in: by peer id."""
+    return tuple(sorted(set(members)))
+
+
+def parts_digest(parts: Mapping[str, str], members: Sequence[str]) -> str:
+    """A short hash of which part each member contributed (equal on members that hold the same)."""
+    text = "\n".join(f"{m}:{parts[m]}" for m in reduction_order(members))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def round_members(me: str, advertised: Mapping[str, int], start_step: int) -> tuple[str, ...]:
+    """The members of the round that starts at `start_step`: this island and every live island
+    (satellites left out by the caller) whose record advertises that step as its next sync of the
+    fragment (`advertised`: peer -> that step)."""
+    return reduction_order([me, *(p for p, step in advertised.items() if step == start_step)])
+
+
+# --- the state machine ----------------------------------------------------------------------
+
+
+class Round:
+    """One member's view of one round."""
+
+    def __init__(
+        self, me: str, members: Iterable[str], my_digest: str, now: float, attempt_s: float, max_attempts: int = 3,
+    ):
+        """`members` includes `me`; `my_digest`: the hash of this member's own part; `attempt_s`: how
+        long an attempt may wait for parts and `have`s before the silent members are dropped."""
+        self.me = me
+        self.members = reduction_order(members)
+        if me not in self.members:
+            raise ValueError(f"{me} is not a member of its own round {self.members}")
+        if attempt_s <= 0 or max_attempts < 1:
+            raise ValueError("attempt_s must be > 0 and max_attempts >= 1")
+        self.attempt_s = attempt_s
+        self.max_attempts = max_attempts
+        self.attempt = 1
+        self.deadline = now + attempt_s
+        self.parts: dict[str, str] = {me: my_digest}
+        self.have: dict[str, tuple[int, str]] = {}
+        """peer -> (attempt, parts digest) of the newest `have` it sent."""
+        self.gone: set[str] = set()
+        self.sent_have = False
+        self.outcome: Commit | Fail | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    def start(self) -> list[Action]:
+        """Send this member's part to every other member (the round may end at once: alone)."""
+        if len(self.members) < 2:
+            return self._fail("no other member")
+        return [SendPart(p) for p in self.members if p != self.me]
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if self.done:
+            if isinstance(event, HaveAll) and isinstance(self.outcome, Commit) and event.peer in self.outcome.members:
+                return [SendCommitted(event.peer, self.outcome)]  # it lost a member after this one committed
+            return []
+        if isinstance(event, Committed):
+            return self._adopt(event)
+        if isinstance(event, PartArrived):
+            if event.peer not in self.members or event.peer in self.parts:
+                return []  # a stranger's, or a duplicate
+            self.parts[event.peer] = event.digest
+            return self._progress()
+        if isinstance(event, HaveAll):
+            if event.peer not in self.members or event.attempt < self.attempt:
+                return []  # a stale one; one of a later attempt counts once this member gets there
+            self.have[event.peer] = (event.attempt, event.parts)
+            return self._progress()
+        if isinstance(event, PeerGone):
+            if event.peer not in self.members or event.peer == self.me:
+                return []
+            return self._retry([event.peer], f"{event.peer} is gone", now)
+        if isinstance(event, Tick):
+            if now < self.deadline:
+                return []
+            holds_all = self._holds_all()
+            silent = [
+                p for p in self.members
+                if p != self.me and (p not in self.parts or (holds_all and self.have.get(p, (0, ""))[0] != self.attempt))
+            ]
+            if not silent:  # a `have` that disagrees: the others' view of the members will settle it
+                silent = [p for p in self.members if p != self.me]
+            return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
+        raise TypeError(f"unknown event {event!r}")
+
+    def _holds_all(self) -> bool:
+        return all(p in self.parts for p in self.members)
+
+
+    def _progress(self) -> list[Action]:
+        actions: list[Action] = []
+        if not self._holds_all():
+            return actions
+        mine = parts_digest(self.parts, self.members)
+        if not self.sent_have:
+            self.sent_have = True
+            self.have[self.me] = (self.attempt, mine)
+            actions.extend(SendHave(p, mine, self.attempt) for p in self.members if p != self.me)
+        if all(self.have.get(p) == (self.attempt, mine) for p in self.members):
+            self.outcome = Commit(self.members, mine, self.attempt)
+            actions.append(self.outcome)
+        return actions
+
+    def _adopt(self, event: Committed) -> list[Action]:
+        """Another member committed while this one was retrying (a member died after every `have` was
+        sent): it holds every part of that set too (it said so), so it commits the same."""
+        if event.peer not in self.members or any(m not in self.parts for m in event.members):
+            return []
+        if parts_digest(self.parts, event.members) != event.parts:
+            return []
+        self.outcome = Commit(event.members, event.parts, event.attempts)
+        return [self.outcome]
+
+    def _retry(self, dropped: list[str], reason: str, now: float) -> list[Action]:
+        survivors = tuple(p for p in self.members if p not in dropped)
+        self.gone.update(dropped)
+        if len(survivors) < 2:
+            return self._fail(f"{reason}; no other member left")
+        if self.attempt >= self.max_attempts:
+            return self._fail(f"{reason}; {self.attempt} attempts")
+        self.attempt += 1
+        self.members = survivors
+        # the parts of dropped members stay: another member may have committed with them (_adopt)
+        self.have = {p: h for p, h in self.have.items() if p in survivors and h[0] >= self.attempt}
+        self.sent_have = False
+        self.deadline = now + self.attempt_s
+        return [Abort(reason, tuple(sorted(dropped)), survivors, self.attempt), *self._progress()]
+
+    def _fail(self, reason: str) -> list[Action]:
+        self.outcome = Fail(reason, self.attempt)
+        return [self.outcome]
