@@ -1,4 +1,5 @@
-"""Averaging speed: our averaging path (hivemind, as the islands use it) against torch.distributed gloo.
+"""Averaging speed: our averaging paths (hivemind's averager, as the islands use it today; the project's own
+round protocol, not yet on the islands' data path) against torch.distributed gloo.
 
     python -m bench.allreduce --out bench/results/allreduce.json [--peers 2 3 4] [--sizes-mb 1 10 100]
 
@@ -104,12 +105,58 @@ def _gloo_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, port: 
         dist.destroy_process_group()
 
 
+def _direct_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, addresses, barrier, results, swarm_key: bytes | None) -> None:
+    """The project's own round protocol (node/net/transport.py: direct TCP, a pool of connections,
+    AES-GCM), each member's part sent once to every other member and reduced in a fixed order."""
+    import torch
+    from islands.node.net.transport import DataPlane, Identity
+    from islands.protocols.rounds import encode_part, reduce_parts
+
+    torch.set_num_threads(1)
+
+    async def run() -> None:
+        me = Identity.generate()
+        plane = DataPlane(me, swarm_key)
+        port = await plane.start()
+        for _ in range(peers):
+            addresses.put((me.peer_id, port))
+        members = {}
+        while len(members) < peers:
+            peer, p = await asyncio.to_thread(addresses.get, True, 60)
+            members[peer] = ("127.0.0.1", p)
+        await asyncio.to_thread(barrier.wait, 120)
+        try:
+            for f, mb in enumerate(sizes_mb):
+                x = _tensor(rank, _numel(mb))
+                for r in range(rounds):
+                    await asyncio.to_thread(barrier.wait, 120)
+                    started = time.perf_counter()
+                    outcome, parts = await plane.run_round(f, f * 1000 + r, members, encode_part(1.0, x), attempt_s=60.0)
+                    mean, _ = reduce_parts(sorted(parts), parts) if parts else (None, 0)
+                    seconds = time.perf_counter() - started
+                    error = None
+                    if f == 0 and r == 0 and mean is not None:
+                        exact = sum(_tensor(k, x.numel()) for k in range(peers)) / peers
+                        error = float((mean - exact).abs().max())
+                    ok = type(outcome).__name__ == "Commit"
+                    results.put(_row("direct", peers, mb, r, "ok" if ok else "failed", len(parts), seconds, error))
+            await asyncio.to_thread(barrier.wait, 120)  # nobody leaves while another still reduces
+        finally:
+            await plane.close()
+
+    asyncio.run(run())
+
+
 def _run(backend: str, peers: int, sizes_mb: list[float], rounds: int, timeout_s: float, part_size_bytes: int = PART_SIZE_BYTES) -> list[dict]:
     ctx = mp.get_context("fork")  # hivemind forks its own helpers; the parent has not started torch or threads
     results = ctx.Queue()
     if backend == "hivemind":
         maddrs, barrier = ctx.Queue(), ctx.Barrier(peers)
         procs = [ctx.Process(target=_hivemind_peer, args=(k, peers, sizes_mb, rounds, part_size_bytes, maddrs, barrier, results)) for k in range(peers)]
+    elif backend in ("direct", "direct-keyed"):
+        addresses, barrier = ctx.Queue(), ctx.Barrier(peers)
+        key = b"bench-swarm-key-0123456789abcdef" if backend == "direct-keyed" else None
+        procs = [ctx.Process(target=_direct_peer, args=(k, peers, sizes_mb, rounds, addresses, barrier, results, key)) for k in range(peers)]
     else:
         from tests.procs import free_port
 
@@ -167,7 +214,9 @@ def main() -> None:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 10.0, 100.0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--part-kb", type=int, default=PART_SIZE_BYTES // 1024, help="hivemind's part size (KiB)")
-    p.add_argument("--backends", nargs="+", default=["gloo", "hivemind"])
+    p.add_argument("--backends", nargs="+", default=["gloo", "hivemind", "direct", "direct-keyed"],
+                   help="gloo; hivemind (the averager the islands use today); direct (the project's own round protocol, issue 17), "
+                        "direct-keyed (the same with a swarm key)")
     args = p.parse_args()
     rows: list[dict] = []
     for peers in args.peers:
@@ -181,14 +230,19 @@ def main() -> None:
     for peers in args.peers:
         for mb in args.sizes_mb:
             h, g = by.get(("hivemind", peers, mb)), by.get(("gloo", peers, mb))
+            d, k = by.get(("direct", peers, mb)), by.get(("direct-keyed", peers, mb))
             line = {"peers": peers, "megabytes": mb, "hivemind_seconds": h and h["seconds_median"], "gloo_seconds": g and g["seconds_median"],
                     "ratio": h and g and round(h["seconds_median"] / g["seconds_median"], 2),
-                    "hivemind_rounds_complete": h and h["rounds_complete"], "hivemind_max_error": h and h["max_error"]}
+                    "hivemind_rounds_complete": h and h["rounds_complete"], "hivemind_max_error": h and h["max_error"],
+                    "direct_seconds": d and d["seconds_median"], "direct_keyed_seconds": k and k["seconds_median"],
+                    "direct_ratio": d and g and round(d["seconds_median"] / g["seconds_median"], 2),
+                    "direct_max_error": d and d["max_error"]}
             lines.append(line)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(table([[str(x["peers"]), f"{x['megabytes']:g}", fmt(x["hivemind_seconds"], ".3f"), fmt(x["gloo_seconds"], ".3f"),
-                  fmt(x["ratio"], ".1f"), fmt(x["hivemind_rounds_complete"], "d")] for x in lines],
-                ["peers", "MB", "ours (hivemind) s", "gloo s", "ratio (x)", f"rounds ok of {args.rounds}"]))
+    print(table([[str(x["peers"]), f"{x['megabytes']:g}", fmt(x["hivemind_seconds"], ".3f"), fmt(x["direct_seconds"], ".3f"),
+                  fmt(x["direct_keyed_seconds"], ".3f"), fmt(x["gloo_seconds"], ".3f"), fmt(x["ratio"], ".1f"),
+                  fmt(x["direct_ratio"], ".2f")] for x in lines],
+                ["peers", "MB", "hivemind s", "direct s", "direct, swarm key s", "gloo s", "hivemind/gloo", "direct/gloo"]))
     head = next((x for x in lines if x["megabytes"] == max(args.sizes_mb) and x["peers"] == min(args.peers)), lines[-1])
     figures = {
         "hivemind_seconds": head["hivemind_seconds"], "gloo_seconds": head["gloo_seconds"], "ratio": head["ratio"],
@@ -199,7 +253,7 @@ def main() -> None:
     if args.out:
         series = {}
         for r in results:
-            series.setdefault(f"{'ours (hivemind)' if r['backend'] == 'hivemind' else 'gloo'}, {r['peers']} peers", []).append(
+            series.setdefault(f"{r['backend']}, {r['peers']} peers", []).append(
                 (r["megabytes"], r["seconds_median"]))
         plot(Path(args.out).with_suffix(".png"), "Averaging time vs size (127.0.0.1, median of rounds)", series,
              xlabel="megabytes (fp32)", ylabel="seconds", log=True)

@@ -264,3 +264,40 @@ class Round:
     def _fail(self, reason: str) -> list[Action]:
         self.outcome = Fail(reason, self.attempt)
         return [self.outcome]
+
+
+# --- parts and their reduction ----------------------------------------------------------------
+
+
+def encode_part(weight: float, values) -> bytes:
+    """A member's part: its weight (float64), then its values (float32), as sent."""
+    import struct
+
+    import torch
+
+    flat = values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+    return struct.pack("!d", float(weight)) + flat.numpy().tobytes()
+
+
+def reduce_parts(order: Sequence[str], parts: Mapping[str, memoryview | bytes]):
+    """The weighted mean of the members' parts, added in `order` in float32: the same bits on every
+    member that holds the same parts (a committed round). Returns (mean values, total weight)."""
+    import struct
+    import warnings
+
+    import torch
+
+    total, acc = 0.0, None
+    for peer in order:
+        view = memoryview(parts[peer]).cast("B")
+        (weight,) = struct.unpack("!d", view[:8])
+        with warnings.catch_warnings():  # read only: a part received as bytes is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            values = torch.frombuffer(view[8:], dtype=torch.float32)
+        if acc is None:
+            acc = torch.zeros_like(values)
+        acc.add_(values, alpha=weight)
+        total += weight
+    if acc is None or total <= 0:
+        raise ValueError("no parts, or no weight, to reduce")
+    return acc.div_(total), total

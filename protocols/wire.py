@@ -106,3 +106,65 @@ def nonce(frame: Frame, direction: int) -> bytes:
     if frame.attempt > 255:
         raise WireError(f"attempt {frame.attempt}: a round has at most 255")
     return NONCE.pack(direction << 7 | int(frame.kind), frame.fragment, frame.attempt, frame.round, frame.chunk)
+
+
+# --- the handshake that opens a data connection ----------------------------------------------
+
+HELLO_MAGIC = b"ISLH"
+NONCE_BYTES = 32
+EPHEMERAL_BYTES = 32  # an X25519 public key
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """What each side of a new data connection says first: who it is (peer id and the RSA public key
+    it derives from), a fresh nonce and an ephemeral key, and which connection of a pool this is."""
+
+    peer_id: str
+    public_key: bytes
+    nonce: bytes
+    ephemeral: bytes
+    index: int = 0
+    pool: int = 1
+
+
+def encode_hello(h: Hello) -> bytes:
+    pid, key = h.peer_id.encode(), h.public_key
+    if len(h.nonce) != NONCE_BYTES or len(h.ephemeral) != EPHEMERAL_BYTES:
+        raise WireError("a hello's nonce and ephemeral key are 32 bytes each")
+    if not 0 <= h.index < h.pool <= 255 or len(pid) > 255 or len(key) > 4096:
+        raise WireError("a hello's peer id, key or pool is out of bounds")
+    body = struct.pack("!BHB", len(pid), len(key), VERSION) + pid + key + h.nonce + h.ephemeral + bytes([h.index, h.pool])
+    return HELLO_MAGIC + struct.pack("!H", len(body)) + body
+
+
+def hello_length(prefix: bytes) -> int:
+    """The body length of a hello, from its first 6 bytes; WireError if they are not a hello's."""
+    if len(prefix) != 6 or prefix[:4] != HELLO_MAGIC:
+        raise WireError("not a compute-islands data connection")
+    return struct.unpack("!H", prefix[4:])[0]
+
+
+def decode_hello(body: bytes) -> Hello:
+    try:
+        pid_len, key_len, version = struct.unpack("!BHB", body[:4])
+        if version != VERSION:
+            raise WireError(f"data protocol version {version}, this node speaks {VERSION}")
+        at = 4
+        pid = body[at : at + pid_len].decode()
+        at += pid_len
+        key = bytes(body[at : at + key_len])
+        at += key_len
+        nonce_, eph = bytes(body[at : at + NONCE_BYTES]), bytes(body[at + NONCE_BYTES : at + NONCE_BYTES + EPHEMERAL_BYTES])
+        at += NONCE_BYTES + EPHEMERAL_BYTES
+        index, pool = body[at], body[at + 1]
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        raise WireError(f"a malformed hello: {e}") from None
+    if at + 2 != len(body) or len(eph) != EPHEMERAL_BYTES:
+        raise WireError("a malformed hello: wrong length")
+    return Hello(pid, key, nonce_, eph, index, pool)
+
+
+def transcript(dialer: bytes, listener: bytes, swarm_tag: bytes) -> bytes:
+    """What both sides sign and key the connection from: both hellos and the swarm (its key's tag)."""
+    return hashlib.sha256(b"compute-islands data v1\0" + swarm_tag + dialer + listener).digest()

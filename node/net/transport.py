@@ -1,0 +1,406 @@
+"""The round protocol's data plane (issue 17): direct TCP between islands, authenticated and encrypted.
+
+Not yet on the island's data path (rounds still go through hivemind's averager): `bench.allreduce`
+measures it side by side, and `tests/test_transport.py` runs rounds over it.
+
+- Each island listens on one TCP port. To send to a peer it dials a pool of `pool` connections to
+  it (kept for the next rounds); each connection carries frames one way, dialer to listener.
+- A connection opens with a handshake (protocols/wire.py: `Hello`, `transcript`): both sides show
+  their identity key (the RSA key their peer id derives from) and sign the transcript with it; with
+  a swarm key each also shows an HMAC of the transcript under a key derived from it, so a peer
+  without the swarm key is refused, on both sides, before any data. The session key comes from an
+  X25519 exchange in the hellos (HKDF, salted with the swarm key's derivation): every frame after
+  the handshake is AES-256-GCM with the frame header as associated data, and its nonce names the
+  frame's place in the protocol (wire.nonce): an altered or replayed chunk fails.
+- A part (one member's contribution to a round) is cut into chunks striped over the pool; chunks
+  are received with `recv_into` into a per-connection buffer and decrypted straight into the
+  part's buffer, allocated once per part.
+- `run_round` drives protocols/rounds.py's state machine with the frames and the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Mapping
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa, x25519
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from islands.protocols import rounds as sm
+from islands.protocols import wire
+from islands.protocols.admission import derive
+
+from .signing import peer_id_of
+
+logger = logging.getLogger(__name__)
+
+POOL = 4
+"""Connections per peer and direction."""
+CHUNK_BYTES = 4 << 20
+HANDSHAKE_S = 10.0
+PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
+
+
+class Refused(Exception):
+    """A data connection that failed its handshake: the message says why."""
+
+
+@dataclasses.dataclass
+class Identity:
+    key: rsa.RSAPrivateKey
+    peer_id: str
+
+    @classmethod
+    def generate(cls) -> Identity:
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        return cls(key, peer_id_of(key.public_key()))
+
+    @property
+    def public_der(self) -> bytes:
+        return self.key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+@dataclasses.dataclass
+class Conn:
+    sock: socket.socket
+    aead: AESGCM
+    peer: str
+    direction: int
+    """0: this side dialed and sends; 1: it accepted and receives."""
+    scratch: bytearray = dataclasses.field(default_factory=bytearray)
+
+
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = await loop.sock_recv_into(sock, view)
+        if n == 0:
+            raise ConnectionError("connection closed")
+        view = view[n:]
+
+
+async def _recv(loop, sock, n: int) -> bytes:
+    buf = bytearray(n)
+    await _recv_into(loop, sock, memoryview(buf))
+    return bytes(buf)
+
+
+async def _handshake(
+    loop, sock: socket.socket, me: Identity, swarm_key: bytes | None, dialer: bool, expect: str | None = None,
+    index: int = 0, pool: int = 1,
+) -> Conn:
+    """Both sides: hellos, then proofs (signature, swarm MAC); the connection's session key."""
+    eph = x25519.X25519PrivateKey.generate()
+    mine = wire.encode_hello(wire.Hello(
+        me.peer_id, me.public_der, os.urandom(wire.NONCE_BYTES),
+        eph.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw), index, pool,
+    ))
+    await loop.sock_sendall(sock, mine)
+    prefix = await _recv(loop, sock, 6)
+    try:
+        theirs = prefix + await _recv(loop, sock, wire.hello_length(prefix))
+        hello = wire.decode_hello(theirs[6:])
+        public = serialization.load_der_public_key(hello.public_key)
+    except (wire.WireError, ValueError) as e:
+        raise Refused(f"a bad hello: {e}") from None
+    if not isinstance(public, rsa.RSAPublicKey) or peer_id_of(public) != hello.peer_id:
+        raise Refused(f"{hello.peer_id}: its key is not the one its peer id derives from")
+    if expect is not None and hello.peer_id != expect:
+        raise Refused(f"dialled {expect}, answered by {hello.peer_id}")
+    # the signatures prove the identities; the MACs prove the swarm key; the session key needs both
+    admission = derive(swarm_key, "data") if swarm_key else b""
+    script = wire.transcript(mine if dialer else theirs, theirs if dialer else mine, b"")
+    role = b"D" if dialer else b"L"
+    mac = hmac.new(admission, script + role, hashlib.sha256).digest() if swarm_key else bytes(32)
+    signature = me.key.sign(script + role, PSS, hashes.SHA256())
+    await loop.sock_sendall(sock, struct.pack("!H", len(signature)) + signature + mac)
+    (sig_len,) = struct.unpack("!H", await _recv(loop, sock, 2))
+    proof = await _recv(loop, sock, sig_len + 32)
+    their_role = b"L" if dialer else b"D"
+    try:
+        public.verify(proof[:sig_len], script + their_role, PSS, hashes.SHA256())
+    except InvalidSignature:
+        raise Refused(f"{hello.peer_id}: its signature does not verify") from None
+    if swarm_key and not hmac.compare_digest(proof[sig_len:], hmac.new(admission, script + their_role, hashlib.sha256).digest()):
+        raise Refused(f"{hello.peer_id} does not hold the swarm key")
+    shared = eph.exchange(x25519.X25519PublicKey.from_public_bytes(hello.ephemeral))
+    key = HKDF(hashes.SHA256(), 32, salt=admission or None, info=script).derive(shared)
+    return Conn(sock, AESGCM(key), hello.peer_id, 0 if dialer else 1)
+
+
+@dataclasses.dataclass
+class _Part:
+    buf: bytearray
+    chunks: int
+    got: set[int] = dataclasses.field(default_factory=set)
+    size: int = 0
+
+
+class _Inbox:
+    """What arrived for one round (fragment, round), possibly before this island started it."""
+
+    def __init__(self):
+        self.parts: dict[tuple[str, int], _Part] = {}
+        self.events: asyncio.Queue = asyncio.Queue()
+
+
+class DataPlane:
+    def __init__(
+        self, identity: Identity, swarm_key: bytes | None = None, pool: int = POOL, chunk_bytes: int = CHUNK_BYTES,
+        on_refused: Callable[[str], None] | None = None,
+    ):
+        self.me = identity
+        self.swarm_key = swarm_key
+        self.pool = pool
+        self.chunk_bytes = chunk_bytes
+        self.on_refused = on_refused or (lambda what: logger.warning("refused: %s", what))
+        self.sid = wire.sender_id(identity.peer_id)
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self._out: dict[str, list[Conn]] = {}
+        self._dialing: dict[str, asyncio.Future] = {}
+        self._inboxes: dict[tuple[int, int], _Inbox] = {}
+        self._readers: set[asyncio.Task] = set()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self.port = 0
+
+    # --- connections ----------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+        s.setblocking(False)
+        self._listener, self.port = s, s.getsockname()[1]
+        self._accepting = asyncio.ensure_future(self._accept_loop())
+        return self.port
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for t in list(self._readers):
+            t.cancel()
+        await asyncio.gather(*self._readers, *(x for x in [self._accepting] if x), return_exceptions=True)
+        for conns in self._out.values():
+            for c in conns:
+                c.sock.close()
+        self._out.clear()
+        if self._listener is not None:
+            self._listener.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.ensure_future(self._serve(sock))
+            self._readers.add(task)
+            task.add_done_callback(self._readers.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        peer = None
+        try:
+            try:
+                conn = await asyncio.wait_for(_handshake(loop, sock, self.me, self.swarm_key, dialer=False), HANDSHAKE_S)
+            except (TimeoutError, Refused, ConnectionError, OSError) as e:
+                self.on_refused(f"a data connection: {e}")
+                return
+            peer = conn.peer
+            conn.scratch = bytearray(self.chunk_bytes + wire.TAG_BYTES)
+            header = bytearray(wire.HEADER_BYTES)
+            while True:
+                await _recv_into(loop, sock, memoryview(header))
+                frame = wire.decode_header(bytes(header))
+                body = memoryview(conn.scratch)[: frame.length + wire.TAG_BYTES]
+                await _recv_into(loop, sock, body)
+                self.bytes_recv += wire.HEADER_BYTES + len(body)
+                self._take(conn, frame, bytes(header), body)
+        except (ConnectionError, OSError, wire.WireError, InvalidTag) as e:
+            if peer is not None:
+                for inbox in self._inboxes.values():
+                    inbox.events.put_nowait(sm.PeerGone(peer))
+                if not isinstance(e, ConnectionError):
+                    self.on_refused(f"{peer}: {type(e).__name__} {e}: connection dropped")
+        finally:
+            sock.close()
+
+    def _take(self, conn: Conn, frame: wire.Frame, header: bytes, body: memoryview) -> None:
+        """A frame arrived and passed its tag: file it under its round."""
+        inbox = self._inbox(frame.fragment, frame.round)
+        nonce = wire.nonce(frame, 0)
+        if frame.kind == wire.Kind.PART:
+            part = inbox.parts.get((conn.peer, frame.attempt))
+            if part is None:
+                part = inbox.parts[(conn.peer, frame.attempt)] = _Part(bytearray(frame.chunks * self.chunk_bytes), frame.chunks)
+            if frame.chunk in part.got or frame.chunks != part.chunks:
+                raise wire.WireError(f"chunk {frame.chunk} of {conn.peer}'s part came twice")
+            at = frame.chunk * self.chunk_bytes
+            conn.aead.decrypt_into(nonce, body, header, memoryview(part.buf)[at : at + frame.length])
+            part.got.add(frame.chunk)
+            part.size += frame.length
+            if len(part.got) == part.chunks:
+                del part.buf[part.size :]
+                inbox.events.put_nowait(sm.PartArrived(conn.peer, _digest(part.size), frame.attempt))
+            return
+        payload = conn.aead.decrypt(nonce, bytes(body), header)
+        if frame.kind == wire.Kind.HAVE:
+            inbox.events.put_nowait(sm.HaveAll(conn.peer, payload.decode(), frame.attempt))
+        else:
+            c = json.loads(payload)
+            inbox.events.put_nowait(sm.Committed(conn.peer, tuple(c["members"]), c["parts"], int(c["attempts"])))
+
+    def _inbox(self, fragment: int, round_: int) -> _Inbox:
+        key = (fragment, round_)
+        if key not in self._inboxes:
+            self._inboxes[key] = _Inbox()
+        return self._inboxes[key]
+
+    async def _conns(self, peer: str, address: tuple[str, int]) -> list[Conn]:
+        """The pool of connections to `peer` (dialled once, kept)."""
+        if peer in self._out:
+            return self._out[peer]
+        if peer not in self._dialing:
+            self._dialing[peer] = asyncio.ensure_future(self._dial_pool(peer, address))
+        try:
+            conns = await asyncio.shield(self._dialing[peer])
+        finally:
+            if self._dialing.get(peer) is not None and self._dialing[peer].done():
+                self._dialing.pop(peer, None)
+        self._out[peer] = conns
+        return conns
+
+    async def _dial_pool(self, peer: str, address: tuple[str, int]) -> list[Conn]:
+        loop = asyncio.get_running_loop()
+
+        async def one(index: int) -> Conn:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, address), HANDSHAKE_S)
+                return await asyncio.wait_for(
+                    _handshake(loop, sock, self.me, self.swarm_key, dialer=True, expect=peer, index=index, pool=self.pool), HANDSHAKE_S,
+                )
+            except BaseException:
+                sock.close()
+                raise
+
+        conns = await asyncio.gather(*(one(i) for i in range(self.pool)), return_exceptions=True)
+        bad = [c for c in conns if isinstance(c, BaseException)]
+        if bad:
+            for c in conns:
+                if isinstance(c, Conn):
+                    c.sock.close()
+            raise bad[0]
+        for c in conns:
+            c.scratch = bytearray(self.chunk_bytes + wire.TAG_BYTES)
+        return list(conns)
+
+    # --- sending -------------------------------------------------------------------------------
+
+    async def _send(self, conn: Conn, frame: wire.Frame, payload: memoryview) -> None:
+        loop = asyncio.get_running_loop()
+        header = wire.encode_header(frame)
+        out = memoryview(conn.scratch)[: len(payload) + wire.TAG_BYTES]
+        conn.aead.encrypt_into(wire.nonce(frame, 0), payload, header, out)
+        await loop.sock_sendall(conn.sock, header)
+        await loop.sock_sendall(conn.sock, out)
+        self.bytes_sent += len(header) + len(out)
+
+    async def send_part(self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview) -> None:
+        conns = await self._conns(peer, address)
+        spans = wire.chunk_spans(len(part), self.chunk_bytes)
+
+        async def lane(conn: Conn, chunk_ids: list[int]) -> None:
+            for i in chunk_ids:
+                offset, length = spans[i]
+                frame = wire.Frame(wire.Kind.PART, fragment, round_, attempt, i, len(spans), length, self.sid)
+                await self._send(conn, frame, part[offset : offset + length])
+
+        await asyncio.gather(*(lane(c, ids) for c, ids in zip(conns, wire.stripe(len(spans), len(conns)), strict=True)))
+
+    async def send_small(self, peer: str, address: tuple[str, int], kind: wire.Kind, fragment: int, round_: int, attempt: int, payload: bytes) -> None:
+        conns = await self._conns(peer, address)
+        frame = wire.Frame(kind, fragment, round_, attempt, 0, 1, len(payload), self.sid)
+        await self._send(conns[0], frame, memoryview(payload))
+
+    def drop(self, peer: str) -> None:
+        """Forget the pool to `peer` (it is gone; the next round dials again)."""
+        for c in self._out.pop(peer, []):
+            c.sock.close()
+
+    # --- one round -----------------------------------------------------------------------------
+
+    async def run_round(
+        self, fragment: int, round_: int, members: Mapping[str, tuple[str, int]], part: bytes | bytearray | memoryview,
+        attempt_s: float, max_attempts: int = 3,
+    ) -> tuple[sm.Commit | sm.Fail, dict[str, memoryview]]:
+        """Take part in round (fragment, round_) with these members (peer -> address; this island
+        included) and this island's part: (Commit, every committed member's part) or (Fail, {})."""
+        inbox = self._inbox(fragment, round_)
+        mine = memoryview(part).cast("B")
+        clock = time.monotonic
+        r = sm.Round(self.me.peer_id, members, _digest(len(mine)), clock(), attempt_s, max_attempts)
+        sends: set[asyncio.Task] = set()
+
+        def act(actions: list) -> None:
+            for a in actions:
+                if isinstance(a, sm.SendPart):
+                    coro = self.send_part(a.to, members[a.to], fragment, round_, 1, mine)
+                elif isinstance(a, sm.SendHave):
+                    coro = self.send_small(a.to, members[a.to], wire.Kind.HAVE, fragment, round_, a.attempt, a.parts.encode())
+                elif isinstance(a, sm.SendCommitted):
+                    c = a.commit
+                    payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
+                    coro = self.send_small(a.to, members[a.to], wire.Kind.COMMITTED, fragment, round_, c.attempts, payload)
+                else:
+                    continue
+                task = asyncio.ensure_future(self._guarded(coro, a.to, inbox))
+                sends.add(task)
+                task.add_done_callback(sends.discard)
+
+        try:
+            act(r.start())
+            while not r.done:
+                timeout = max(0.0, r.deadline - clock())
+                try:
+                    event = await asyncio.wait_for(inbox.events.get(), timeout)
+                except TimeoutError:
+                    event = sm.Tick()
+                act(r.handle(event, clock()))
+            if isinstance(r.outcome, sm.Commit):
+                await asyncio.gather(*sends, return_exceptions=True)  # a committed member still answers the others
+                parts = {p: (mine if p == self.me.peer_id else memoryview(inbox.parts[(p, 1)].buf)) for p in r.outcome.members}
+                return r.outcome, parts
+            return r.outcome, {}
+        finally:
+            self._inboxes.pop((fragment, round_), None)
+            for t in sends:
+                t.cancel()
+
+    async def _guarded(self, coro, peer: str, inbox: _Inbox) -> None:
+        try:
+            await coro
+        except (TimeoutError, ConnectionError, OSError, Refused) as e:
+            logger.info("sending to %s failed: %r", peer, e)
+            self.drop(peer)
+            inbox.events.put_nowait(sm.PeerGone(peer))
+
+
+def _digest(size: int) -> str:
+    """A part's name in the state machine: its size (each member sends one part a round, authenticated)."""
+    return f"{size}"

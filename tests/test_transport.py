@@ -1,0 +1,140 @@
+"""The round protocol over its data plane (node/net/transport.py): real sockets on 127.0.0.1, one process."""
+
+import asyncio
+
+import pytest
+import torch
+from islands.node.net.transport import DataPlane, Identity
+from islands.protocols.rounds import Commit, Fail, encode_part, reduce_parts
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
+
+KEY = b"0123456789abcdef0123456789abcdef"
+
+
+async def _planes(n, key=KEY, chunk_bytes=1 << 20, refusals=None):
+    planes = []
+    for _ in range(n):
+        plane = DataPlane(Identity.generate(), key, pool=2, chunk_bytes=chunk_bytes, on_refused=(refusals if refusals is not None else []).append)
+        await plane.start()
+        planes.append(plane)
+    return planes, {p.me.peer_id: ("127.0.0.1", p.port) for p in planes}
+
+
+def _values(k, numel=300_000):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(k))
+
+
+def test_every_member_of_a_committed_round_holds_the_same_bits():
+    async def main():
+        planes, members = await _planes(3)
+        try:
+            parts = [encode_part(k + 1.0, _values(k)) for k in range(3)]
+            got = await asyncio.gather(*(p.run_round(2, 7, members, parts[k], attempt_s=20) for k, p in enumerate(planes)))
+            return [(outcome, reduce_parts(sorted(held), held)[0]) for outcome, held in got], [p.bytes_sent for p in planes]
+        finally:
+            await asyncio.gather(*(p.close() for p in planes))
+
+    results, sent = asyncio.run(main())
+    assert all(isinstance(o, Commit) and len(o.members) == 3 and o.attempts == 1 for o, _ in results)
+    first = results[0][1]
+    assert all(torch.equal(first, mean) for _, mean in results[1:])  # bit-identical
+    exact = sum((k + 1.0) * _values(k) for k in range(3)) / 6.0
+    assert (first - exact).abs().max() < 1e-5
+    assert all(s > 2 * 1.2e6 for s in sent)  # each part went to both others (4 B a value, plus framing)
+
+
+def test_a_member_that_dies_mid_transfer_costs_the_others_one_attempt():
+    async def main():
+        planes, members = await _planes(3, chunk_bytes=256 << 10)
+        parts = [encode_part(1.0, _values(k, 4_000_000)) for k in range(3)]
+        runs = [asyncio.ensure_future(p.run_round(0, 1, members, parts[k], attempt_s=20)) for k, p in enumerate(planes)]
+        await asyncio.sleep(0.05)  # its part is on the way
+        runs[2].cancel()
+        await planes[2].close()  # its connections close, as a killed process's do
+        started = asyncio.get_running_loop().time()
+        got = await asyncio.gather(*runs[:2])
+        await asyncio.gather(*(p.close() for p in planes[:2]))
+        return got, asyncio.get_running_loop().time() - started
+
+    got, seconds = asyncio.run(main())
+    (a, held_a), (b, held_b) = got
+    assert isinstance(a, Commit) and a == b, (a, b)
+    if len(a.members) == 2:  # it died before everyone held its part: the others went on without it
+        assert a.attempts == 2
+    assert torch.equal(reduce_parts(a.members, held_a)[0], reduce_parts(b.members, held_b)[0])
+    assert seconds < 10
+
+
+def test_a_peer_without_the_swarm_key_cannot_open_a_data_connection():
+    async def main():
+        refusals = []
+        planes, members = await _planes(1, refusals=refusals)
+        stranger = DataPlane(Identity.generate(), b"another key" * 3, pool=1, on_refused=refusals.append)
+        await stranger.start()
+        members[stranger.me.peer_id] = ("127.0.0.1", stranger.port)
+        try:
+            return await asyncio.gather(
+                planes[0].run_round(0, 1, members, encode_part(1.0, _values(0)), attempt_s=2, max_attempts=1),
+                stranger.run_round(0, 1, members, encode_part(1.0, _values(1)), attempt_s=2, max_attempts=1),
+            ), refusals
+        finally:
+            await asyncio.gather(planes[0].close(), stranger.close())
+
+    (mine, theirs), refusals = asyncio.run(main())
+    assert isinstance(mine[0], Fail) and isinstance(theirs[0], Fail)
+    assert any("does not hold the swarm key" in r for r in refusals), refusals
+
+
+def test_a_chunk_altered_on_the_way_is_never_applied():
+    async def main():
+        refusals = []
+        planes, members = await _planes(2, refusals=refusals)
+        a, b = planes
+
+        pumps = []
+
+        async def tamper(reader, writer):  # between a and b: flips one byte after the handshakes
+            pumps.append(asyncio.current_task())
+            try:
+                await relay(reader, writer)
+            except asyncio.CancelledError:
+                writer.close()
+
+        async def relay(reader, writer):
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", b.port)
+            seen = 0
+
+            async def pump(src, dst, flip):
+                nonlocal seen
+                while data := await src.read(1 << 16):
+                    if flip and seen < 200_000 <= seen + len(data):
+                        data = bytearray(data)
+                        data[200_000 - seen] ^= 1
+                    if flip:
+                        seen += len(data)
+                    dst.write(bytes(data))
+                    await dst.drain()
+                dst.close()
+
+            await asyncio.gather(pump(reader, up_w, True), pump(up_r, writer, False), return_exceptions=True)
+
+        proxy = await asyncio.start_server(tamper, "127.0.0.1", 0)
+        via = dict(members)
+        via[b.me.peer_id] = ("127.0.0.1", proxy.sockets[0].getsockname()[1])
+        try:
+            return await asyncio.gather(
+                a.run_round(0, 1, via, encode_part(1.0, _values(0)), attempt_s=3, max_attempts=1),
+                b.run_round(0, 1, members, encode_part(1.0, _values(1)), attempt_s=3, max_attempts=1),
+            ), refusals
+        finally:
+            proxy.close()
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(a.close(), b.close())
+
+    (at_a, at_b), refusals = asyncio.run(main())
+    assert isinstance(at_b[0], Fail) and at_b[1] == {}  # b never took a's altered part
+    assert not isinstance(at_a[0], Commit)
+    assert any("InvalidTag" in r for r in refusals), refusals
