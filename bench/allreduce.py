@@ -118,11 +118,11 @@ def _direct_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, addr
         me = Identity.generate()
         plane = DataPlane(me, swarm_key)
         port = await plane.start()
-        for _ in range(peers):
-            addresses.put((me.peer_id, port))
+        for box in addresses:  # one mailbox per peer: each gets every address once
+            box.put((me.peer_id, port))
         members = {}
         while len(members) < peers:
-            peer, p = await asyncio.to_thread(addresses.get, True, 60)
+            peer, p = await asyncio.to_thread(addresses[rank].get, True, 60)
             members[peer] = ("127.0.0.1", p)
         await asyncio.to_thread(barrier.wait, 120)
         try:
@@ -139,7 +139,7 @@ def _direct_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, addr
                         exact = sum(_tensor(k, x.numel()) for k in range(peers)) / peers
                         error = float((mean - exact).abs().max())
                     ok = type(outcome).__name__ == "Commit"
-                    results.put(_row("direct", peers, mb, r, "ok" if ok else "failed", len(parts), seconds, error))
+                    results.put(_row("direct-keyed" if swarm_key else "direct", peers, mb, r, "ok" if ok else "failed", len(parts), seconds, error))
             await asyncio.to_thread(barrier.wait, 120)  # nobody leaves while another still reduces
         finally:
             await plane.close()
@@ -154,7 +154,7 @@ def _run(backend: str, peers: int, sizes_mb: list[float], rounds: int, timeout_s
         maddrs, barrier = ctx.Queue(), ctx.Barrier(peers)
         procs = [ctx.Process(target=_hivemind_peer, args=(k, peers, sizes_mb, rounds, part_size_bytes, maddrs, barrier, results)) for k in range(peers)]
     elif backend in ("direct", "direct-keyed"):
-        addresses, barrier = ctx.Queue(), ctx.Barrier(peers)
+        addresses, barrier = [ctx.Queue() for _ in range(peers)], ctx.Barrier(peers)
         key = b"bench-swarm-key-0123456789abcdef" if backend == "direct-keyed" else None
         procs = [ctx.Process(target=_direct_peer, args=(k, peers, sizes_mb, rounds, addresses, barrier, results, key)) for k in range(peers)]
     else:
