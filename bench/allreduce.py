@@ -110,7 +110,7 @@ def _direct_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, addr
     AES-GCM), each member's part sent once to every other member and reduced in a fixed order."""
     import torch
     from islands.node.net.transport import DataPlane, Identity
-    from islands.protocols.rounds import encode_part, reduce_parts
+    from islands.protocols.parts import encode_part, reduce_parts
 
     torch.set_num_threads(1)
 
@@ -131,8 +131,8 @@ def _direct_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, addr
                 for r in range(rounds):
                     await asyncio.to_thread(barrier.wait, 120)
                     started = time.perf_counter()
-                    outcome, parts = await plane.run_round(f, f * 1000 + r, members, encode_part(1.0, x), attempt_s=60.0)
-                    mean, _ = reduce_parts(sorted(parts), parts) if parts else (None, 0)
+                    outcome, parts = await plane.run_round(f, f * 1000 + r, members, encode_part(x, 1.0), attempt_s=60.0)
+                    mean, _, _ = reduce_parts(sorted(parts), parts) if parts else (None, 0, {})
                     seconds = time.perf_counter() - started
                     error = None
                     if f == 0 and r == 0 and mean is not None:

@@ -39,6 +39,7 @@ InnerOpt = Literal["adamw", "shampoo"]
 Role = Literal["island", "satellite"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
 Parallel = Literal["ddp", "fsdp"]
+RoundsEngine = Literal["hivemind", "direct"]
 
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3}
 
@@ -117,6 +118,15 @@ class NetConfig:
         None, "file with the shared secret that admits a peer to the swarm (every island of the run uses the same; "
         "make one with: islands-node keygen PATH)", metavar="PATH",
     )
+    rounds: RoundsEngine = _opt(
+        "hivemind", "what carries the fragments' rounds: hivemind's averager, or direct, the project's own protocol "
+        "over TCP between islands (every island of a run uses the same)",
+    )
+    data_listen: str = _opt("0.0.0.0:0", "with --rounds direct: HOST:PORT the round transport listens on (port 0: any free one)", metavar="HOST:PORT")
+    data_announce: str | None = _opt(
+        None, "with --rounds direct: HOST:PORT the other islands dial for rounds (default: the listen port at this "
+        "node's first announced or visible IPv4 address)", metavar="HOST:PORT",
+    )
     metrics_port: int | None = _opt(None, "serve Prometheus metrics at http://METRICS_HOST:N/metrics (0: any free port, logged)", metavar="N")
     metrics_host: str = _opt("127.0.0.1", "address the metrics endpoint listens on (0.0.0.0 for a remote Prometheus)", metavar="ADDR")
     wait_islands: int = _opt(1, "before step 1, wait until this many islands are in the swarm (see --wait-timeout-s)", metavar="N")
@@ -145,6 +155,13 @@ class NetConfig:
             parse_contact(self.contact)  # ValueError names the spec and the accepted forms
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.rounds not in typing.get_args(RoundsEngine):
+            raise ValueError(f"rounds must be hivemind or direct, got {self.rounds!r}")
+        for name in ("data_listen", "data_announce"):
+            value = getattr(self, name)
+            host, sep, port = (value or "x:1").rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535 or (name == "data_announce" and int(port) == 0):
+                raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
         if self.swarm_key is not None:
             try:
                 load_swarm_key(self.swarm_key)

@@ -41,7 +41,7 @@ class IslandCore:
         self.cfg = cfg
         self.params = params
         self.network = network
-        self.rounds = network.averaging if rounds is None else rounds
+        self.rounds = network.rounds if rounds is None else rounds
         self.role = role
         self.events = events
         self.totals = totals

@@ -16,7 +16,9 @@ from pathlib import Path
 from islands.node.net.authorizer import RefusalLog
 from islands.node.net.averaging import FragmentAveraging
 from islands.node.net.dht import SwarmDHT, dht_now
-from islands.node.net.signing import IdentityError
+from islands.node.net.direct import DirectRounds
+from islands.node.net.signing import IdentityError, load_identity
+from islands.node.net.transport import DataPlane, Identity
 from islands.protocols.admission import SwarmKeyError, key_file_exposed, load_swarm_key
 from islands.protocols.manifest import describe_differences, manifest_differences
 from islands.protocols.records import (
@@ -24,6 +26,7 @@ from islands.protocols.records import (
     IslandRecord,
     arrival_s,
     choose_shard,
+    data_address,
     deposit_candidates,
     expected_group,
     final_fingerprints,
@@ -31,9 +34,11 @@ from islands.protocols.records import (
     furthest,
     live_records,
     other_islands,
+    parse_address,
     peer_progress,
     redial_targets,
     remember,
+    round_peers,
     swarm_step,
 )
 
@@ -85,6 +90,11 @@ class Network:
         self.status = Status(next_sync=[0] * cfg.diloco.fragments, last_sync=[{} for _ in range(cfg.diloco.fragments)])
         self.dht: SwarmDHT | None = None
         self.averaging: FragmentAveraging | None = None
+        self.rounds: FragmentAveraging | DirectRounds | None = None
+        """What the island's rounds go through (node/sync.py's `Rounds`): `averaging`, or with
+        `--rounds direct` the project's own protocol (which still uses `averaging` for the rest)."""
+        self.plane: DataPlane | None = None
+        self.data_address: str | None = None
         self.peers: dict[str, IslandRecord] = {}
         self.known: dict[str, IslandRecord] = {}
         """The newest record ever read of each peer: where to dial it again if the DHT loses it."""
@@ -164,7 +174,7 @@ class Network:
         run (`attach`): hivemind's averagers set a signal handler as they start."""
         if self.dht is None:
             await self.open()
-        self.manifest, self.shapes = manifest, shapes
+        self.manifest, self.shapes = {**manifest, "rounds": self.cfg.net.rounds}, shapes
         swarm_key = self._swarm_key
         await self._check_manifest()
         def averaging() -> FragmentAveraging:  # in the main thread: hivemind's averagers set signal handlers as they start
@@ -177,9 +187,27 @@ class Network:
             )
 
         self.averaging = averaging() if in_main_thread is None else await in_main_thread(averaging)
+        self.rounds = self.averaging
         await self.averaging.open_deposits(self.dht.dht)
+        if self.cfg.net.rounds == "direct" and not self.role.satellite:
+            await self._open_plane(swarm_key)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
+
+    async def _open_plane(self, swarm_key: bytes | None) -> None:
+        """Listen for rounds on the direct transport; the island's record publishes where."""
+        net = self.cfg.net
+        key, peer_id = load_identity(self.identity_path)
+        self.plane = DataPlane(Identity(key._private_key, peer_id), swarm_key, on_refused=self.on_refused)
+        host, port = parse_address(net.data_listen)
+        port = await self.plane.start(host, port)
+        self.data_address = net.data_announce or data_address(host, port, [*net.announce, *self.maddrs()])
+        logger.info("rounds: direct transport on %s:%d, announced as %s", host, port, self.data_address)
+        self.rounds = DirectRounds(
+            self.plane, self.averaging, self.shapes, self.cfg.diloco.compression, self.timeouts,
+            members=lambda fragment, step: round_peers(self.peer_id, self.live(), fragment, step, self.cfg.diloco.tau),
+            others=lambda: self.expected_group() - 1, arrival=self.arrival_s,
+        )
 
     async def _check_manifest(self) -> None:
         theirs = await self.dht.get_manifest()
@@ -203,7 +231,7 @@ class Network:
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
             version=self.version, time=self._now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
-            contact_until=self._contact_until(), final=s.final,
+            contact_until=self._contact_until(), final=s.final, data=self.data_address,
         )
 
     def _contact_until(self) -> float | None:
@@ -395,6 +423,8 @@ class Network:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         await self.withdraw()
+        if self.plane is not None:
+            await self.plane.close()
         if self.averaging is not None:
             await self.averaging.close_deposits()
             await asyncio.to_thread(self.averaging.shutdown)

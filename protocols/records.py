@@ -41,6 +41,8 @@ class IslandRecord:
     final: dict | None = None
     """At the end of a run (FragmentSync.agree): {"check": n, "fp": one fingerprint per fragment of
     its agreed values} after its n-th look, so that every island decides alike which fragments to heal."""
+    data: str | None = None
+    """"HOST:PORT" of the island's round transport (node/net/transport.py; `--rounds direct`)."""
 
     def to_value(self) -> dict:
         value = dataclasses.asdict(self)
@@ -70,6 +72,7 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
             shard=int(value.get("shard", -1)),
             contact_until=None if value.get("contact_until") is None else float(value["contact_until"]),
             final=_parse_final(value.get("final")),
+            data=None if value.get("data") is None else str(value["data"]),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -212,3 +215,47 @@ def final_fingerprints(
     island's record still shows its last fingerprints."""
     posted = {p: r.final for p, r in records.items() if p in peers and r.final is not None and r.final["check"] >= check}
     return [f["fp"] for f in posted.values()], [p for p in peers if p in live and p not in posted]
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """("host", port) of "HOST:PORT" (an IPv6 host in brackets); ValueError if it is not one."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def data_address(host: str, port: int, maddrs: Sequence[str]) -> str:
+    """"HOST:PORT" that other islands dial for this island's rounds, listening on `host`:`port`: the
+    host itself, or for a wildcard one, the first IPv4 address of `maddrs` (announced ones first)
+    that is not a loopback one, else the first loopback one."""
+    if host not in ("0.0.0.0", "", "::"):
+        return f"{host}:{port}"
+    ips = [m.split("/")[2] for m in maddrs if m.startswith("/ip4/") and m.split("/")[2] != "0.0.0.0"]
+    public = [ip for ip in ips if not ip.startswith("127.")]
+    return f"{(public or ips or ['127.0.0.1'])[0]}:{port}"
+
+
+def round_peers(
+    me: str, live: Mapping[str, IslandRecord], fragment: int, step: int, overlap: int,
+) -> dict[str, tuple[str, int]]:
+    """The other members of this island's round of `fragment` that starts at `step`, with their
+    round transport's address: the live, training islands (never a satellite) that publish one and
+    have not yet applied that round (by their records: past `step + overlap`, or `step` already
+    their fragment's last round). One still training towards `step` is a member: its part comes
+    when it gets there."""
+    out = {}
+    for p, r in other_islands(me, live).items():
+        if r.data is None:
+            continue
+        ((now, last),) = peer_progress([r], fragment)
+        if now > step + overlap or last >= step:
+            continue
+        try:
+            host, port = parse_address(r.data)
+        except ValueError:
+            continue
+        if port > 0:
+            out[p] = (host, port)
+    return out

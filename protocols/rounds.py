@@ -16,6 +16,8 @@ the round fails (each applies its own update alone, as today). A member that die
 a retrying one's `have` with what it committed, and the other, which holds the same parts (it
 said so), commits the same (`Committed`). No round splits between members that stay up.
 
+Parts as bytes, and their reduction: protocols/parts.py.
+
 Events in: `PartArrived`, `HaveAll`, `Committed`, `PeerGone`, `Tick`. Actions out: `SendPart`,
 `SendHave`, `SendCommitted`, `Commit`, `Abort`, `Fail`. Time comes in as an argument (`now`);
 nothing here does I/O.
@@ -139,13 +141,6 @@ def parts_digest(parts: Mapping[str, str], members: Sequence[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def round_members(me: str, advertised: Mapping[str, int], start_step: int) -> tuple[str, ...]:
-    """The members of the round that starts at `start_step`: this island and every live island
-    (satellites left out by the caller) whose record advertises that step as its next sync of the
-    fragment (`advertised`: peer -> that step)."""
-    return reduction_order([me, *(p for p, step in advertised.items() if step == start_step)])
-
-
 # --- the state machine ----------------------------------------------------------------------
 
 
@@ -264,40 +259,3 @@ class Round:
     def _fail(self, reason: str) -> list[Action]:
         self.outcome = Fail(reason, self.attempt)
         return [self.outcome]
-
-
-# --- parts and their reduction ----------------------------------------------------------------
-
-
-def encode_part(weight: float, values) -> bytes:
-    """A member's part: its weight (float64), then its values (float32), as sent."""
-    import struct
-
-    import torch
-
-    flat = values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-    return struct.pack("!d", float(weight)) + flat.numpy().tobytes()
-
-
-def reduce_parts(order: Sequence[str], parts: Mapping[str, memoryview | bytes]):
-    """The weighted mean of the members' parts, added in `order` in float32: the same bits on every
-    member that holds the same parts (a committed round). Returns (mean values, total weight)."""
-    import struct
-    import warnings
-
-    import torch
-
-    total, acc = 0.0, None
-    for peer in order:
-        view = memoryview(parts[peer]).cast("B")
-        (weight,) = struct.unpack("!d", view[:8])
-        with warnings.catch_warnings():  # read only: a part received as bytes is not writable
-            warnings.simplefilter("ignore", UserWarning)
-            values = torch.frombuffer(view[8:], dtype=torch.float32)
-        if acc is None:
-            acc = torch.zeros_like(values)
-        acc.add_(values, alpha=weight)
-        total += weight
-    if acc is None or total <= 0:
-        raise ValueError("no parts, or no weight, to reduce")
-    return acc.div_(total), total

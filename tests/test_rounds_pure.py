@@ -1,10 +1,14 @@
-"""The round protocol's state machine and wire format (protocols/rounds.py, protocols/wire.py)."""
+"""The round protocol's state machine, wire format and parts (protocols/rounds.py, wire.py, parts.py),
+and who the members of a round are (records.round_peers)."""
 
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from islands.protocols.parts import PartError, decode_part, encode_part, part_bytes, reduce_parts
+from islands.protocols.records import IslandRecord, data_address, parse_address, round_peers
 from islands.protocols.rounds import (
     Abort,
     Commit,
@@ -19,7 +23,6 @@ from islands.protocols.rounds import (
     SendPart,
     Tick,
     parts_digest,
-    round_members,
 )
 from islands.protocols.wire import (
     HEADER_BYTES,
@@ -178,9 +181,77 @@ def test_members_that_commit_always_commit_the_same_parts(seed, members, kill, a
         assert commits and all(isinstance(o, Commit) for o in outcomes.values())
 
 
-def test_round_members_are_the_islands_that_advertise_the_round():
-    assert round_members("b", {"a": 40, "c": 40, "d": 45}, 40) == ("a", "b", "c")
-    assert round_members("b", {}, 40) == ("b",)
+def _record(peer, step, last_step=-1, data="127.0.0.1:9000", role="island", state="training"):
+    return IslandRecord(
+        peer_id=peer, role=role, step=step, batch_tokens=64, tokens_per_s=1.0, step_seconds=0.1, next_sync=[0, 0],
+        last_sync=[{"step": last_step}, {}], contact=None, version="x", time=0.0, state=state, maddrs=[], data=data,
+    )
+
+
+def test_round_peers_are_the_live_islands_that_have_not_applied_the_round_yet():
+    live = {
+        "me": _record("me", 40),
+        "behind": _record("behind", 31, data="10.0.0.2:7000"),  # still training towards step 40: a member
+        "inside": _record("inside", 44, data="[::1]:7001"),  # started it and is within the overlap
+        "past": _record("past", 46),  # beyond step 40 + overlap 5: it has applied the round
+        "applied": _record("applied", 41, last_step=40),
+        "no transport": _record("no transport", 40, data=None),
+        "satellite": _record("satellite", 40, role="satellite"),
+        "starting": _record("starting", 0, state="starting"),
+        "bad address": _record("bad address", 40, data="nowhere"),
+    }
+    assert round_peers("me", live, 0, 40, 5) == {"behind": ("10.0.0.2", 7000), "inside": ("::1", 7001)}
+    assert round_peers("me", live, 1, 40, 5)["applied"] == ("127.0.0.1", 9000)  # that was fragment 0's round
+
+
+def test_the_announced_transport_address_prefers_what_others_can_dial():
+    maddrs = ["/ip4/127.0.0.1/tcp/1/p2p/Qm", "/ip4/10.1.2.3/tcp/1/p2p/Qm"]
+    assert data_address("0.0.0.0", 7000, maddrs) == "10.1.2.3:7000"
+    assert data_address("0.0.0.0", 7000, maddrs[:1]) == "127.0.0.1:7000"
+    assert data_address("192.168.0.9", 7000, maddrs) == "192.168.0.9:7000"
+    assert parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("host", "host:", ":80", "host:99999", "host:x"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+# --- parts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec,bound", [("none", 0.0), ("fp16", 1e-3), ("int8", 1 / 127)])
+def test_a_part_decodes_to_its_values_within_its_codecs_bound(codec, bound):
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 1000)
+    data = encode_part(values, 3.5, codec, {"round": 7, "fp": [1.0, 2.0]})
+    assert len(data) % 4 == 0 and len(data) >= part_bytes(1000, codec)
+    meta, got = decode_part(data)
+    assert meta["weight"] == 3.5 and meta["round"] == 7 and meta["fp"] == [1.0, 2.0] and meta["codec"] == codec
+    # relative to the largest magnitude of the value's block (int8: blocks of 256)
+    scale = values.abs().max() if codec != "int8" else values.abs().view(-1)[: 1000].max()
+    assert (got - values).abs().max().item() <= bound * scale.item() + 1e-7
+
+
+def test_reduction_is_the_weighted_mean_in_a_fixed_order_whatever_order_the_parts_came_in():
+    parts = {p: encode_part(torch.randn(513, generator=torch.Generator().manual_seed(k)), w) for k, (p, w) in enumerate([("b", 1.0), ("a", 3.0), ("c", 0.5)])}
+    mean, total, metas = reduce_parts(sorted(parts), parts)
+    shuffled = dict(reversed(list(parts.items())))
+    again, _, _ = reduce_parts(sorted(shuffled), shuffled)
+    assert torch.equal(mean, again) and total == 4.5
+    expected = sum(decode_part(parts[p])[1] * decode_part(parts[p])[0]["weight"] for p in parts) / 4.5
+    assert torch.allclose(mean, expected, atol=1e-6)
+    assert metas["a"]["value_norm"] == pytest.approx(float(decode_part(parts["a"])[1].norm()))
+
+
+def test_malformed_parts_are_refused():
+    good = encode_part(torch.ones(10), 1.0)
+    with pytest.raises(ValueError):
+        encode_part(torch.ones(10), float("nan"))
+    for bad in (b"", good[:-4], good + b"xxxx", b"\x00\x00\x00\x02{}" + bytes(40), b"\xff\xff\xff\xff"):
+        with pytest.raises(PartError):
+            decode_part(bad)
+    with pytest.raises(PartError):
+        reduce_parts(["a", "b"], {"a": good, "b": encode_part(torch.ones(11), 1.0)})
+    with pytest.raises(PartError):
+        reduce_parts(["a"], {"a": encode_part(torch.ones(10), 0.0)})
 
 
 # --- wire format -----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 import torch
 from islands.node.net.transport import DataPlane, Identity
-from islands.protocols.rounds import Commit, Fail, encode_part, reduce_parts
+from islands.protocols.parts import encode_part, reduce_parts
+from islands.protocols.rounds import Commit, Fail
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
@@ -29,7 +30,7 @@ def test_every_member_of_a_committed_round_holds_the_same_bits():
     async def main():
         planes, members = await _planes(3)
         try:
-            parts = [encode_part(k + 1.0, _values(k)) for k in range(3)]
+            parts = [encode_part(_values(k), k + 1.0) for k in range(3)]
             got = await asyncio.gather(*(p.run_round(2, 7, members, parts[k], attempt_s=20) for k, p in enumerate(planes)))
             return [(outcome, reduce_parts(sorted(held), held)[0]) for outcome, held in got], [p.bytes_sent for p in planes]
         finally:
@@ -47,7 +48,7 @@ def test_every_member_of_a_committed_round_holds_the_same_bits():
 def test_a_member_that_dies_mid_transfer_costs_the_others_one_attempt():
     async def main():
         planes, members = await _planes(3, chunk_bytes=256 << 10)
-        parts = [encode_part(1.0, _values(k, 4_000_000)) for k in range(3)]
+        parts = [encode_part(_values(k, 4_000_000), 1.0) for k in range(3)]
         runs = [asyncio.ensure_future(p.run_round(0, 1, members, parts[k], attempt_s=20)) for k, p in enumerate(planes)]
         await asyncio.sleep(0.05)  # its part is on the way
         runs[2].cancel()
@@ -75,8 +76,8 @@ def test_a_peer_without_the_swarm_key_cannot_open_a_data_connection():
         members[stranger.me.peer_id] = ("127.0.0.1", stranger.port)
         try:
             return await asyncio.gather(
-                planes[0].run_round(0, 1, members, encode_part(1.0, _values(0)), attempt_s=2, max_attempts=1),
-                stranger.run_round(0, 1, members, encode_part(1.0, _values(1)), attempt_s=2, max_attempts=1),
+                planes[0].run_round(0, 1, members, encode_part(_values(0), 1.0), attempt_s=2, max_attempts=1),
+                stranger.run_round(0, 1, members, encode_part(_values(1), 1.0), attempt_s=2, max_attempts=1),
             ), refusals
         finally:
             await asyncio.gather(planes[0].close(), stranger.close())
@@ -124,8 +125,8 @@ def test_a_chunk_altered_on_the_way_is_never_applied():
         via[b.me.peer_id] = ("127.0.0.1", proxy.sockets[0].getsockname()[1])
         try:
             return await asyncio.gather(
-                a.run_round(0, 1, via, encode_part(1.0, _values(0)), attempt_s=3, max_attempts=1),
-                b.run_round(0, 1, members, encode_part(1.0, _values(1)), attempt_s=3, max_attempts=1),
+                a.run_round(0, 1, via, encode_part(_values(0), 1.0), attempt_s=3, max_attempts=1),
+                b.run_round(0, 1, members, encode_part(_values(1), 1.0), attempt_s=3, max_attempts=1),
             ), refusals
         finally:
             proxy.close()

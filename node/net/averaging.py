@@ -185,7 +185,7 @@ class FragmentAveraging:
         delta, weight = fold_deposits(c.delta, c.weight, [(d.delta, d.weight) for d in kept])
         return dataclasses.replace(c, delta=delta, weight=weight, deposits=len(kept), deposit_bytes=sum(d.nbytes for d in kept))
 
-    async def _deposit(self, c: Contribution) -> RoundResult:
+    async def deposit(self, c: Contribution) -> RoundResult:
         """A satellite's round: its contribution deposited with the first island that takes it."""
         started = time.monotonic()
         for island in self.deposit_targets()[:2] if self.deposits is not None else []:
@@ -204,13 +204,13 @@ class FragmentAveraging:
 
     def prefetch(self) -> None:
         """Start reading the island records for a round about to start: over a long link the read
-        takes a few round trips, which the round then does not wait for (see `_read_peers`)."""
+        takes a few round trips, which the round then does not wait for (see `read_peers`)."""
         if self.refresh_peers is None:
             return
         if self._records_read is None or self._records_read.done() or not self._records_read_fresh():
             self._start_records_read()
 
-    async def _read_peers(self) -> None:
+    async def read_peers(self) -> None:
         """The records as of at most Timeouts.records_fresh_s ago (a prefetched read, or a new one)."""
         if self.refresh_peers is None:
             return
@@ -229,9 +229,9 @@ class FragmentAveraging:
         """One round of the contribution's fragment; `wait_s`: match for at least that long."""
         c = contribution
         # read the records just before the round: an island that left or went ahead is then counted right
-        await self._read_peers()
+        await self.read_peers()
         if self.follower:
-            return await self._deposit(c)
+            return await self.deposit(c)
         expected = self.expected_group()
         if expected <= 1:
             return RoundResult(outcome="solo", delta=c.delta, group_size=1, weight=c.weight)

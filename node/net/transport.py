@@ -168,6 +168,11 @@ class DataPlane:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self._out: dict[str, list[Conn]] = {}
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self._done: dict[int, tuple[int, sm.Round, Mapping[str, tuple[str, int]]]] = {}
+        """fragment -> (round, its state machine, its members' addresses) of the newest round this
+        island finished: frames of it or an older round are dropped, except a retrying member's
+        `have`, which a committed round answers."""
         self._dialing: dict[str, asyncio.Future] = {}
         self._inboxes: dict[tuple[int, int], _Inbox] = {}
         self._readers: set[asyncio.Task] = set()
@@ -240,8 +245,13 @@ class DataPlane:
 
     def _take(self, conn: Conn, frame: wire.Frame, header: bytes, body: memoryview) -> None:
         """A frame arrived and passed its tag: file it under its round."""
-        inbox = self._inbox(frame.fragment, frame.round)
         nonce = wire.nonce(frame, 0)
+        done = self._done.get(frame.fragment)
+        if done is not None and frame.round <= done[0]:
+            if frame.kind == wire.Kind.HAVE and frame.round == done[0]:
+                self._answer(frame.fragment, sm.HaveAll(conn.peer, conn.aead.decrypt(nonce, bytes(body), header).decode(), frame.attempt))
+            return  # a frame of a round this island has finished: late, nobody waits for it
+        inbox = self._inbox(frame.fragment, frame.round)
         if frame.kind == wire.Kind.PART:
             part = inbox.parts.get((conn.peer, frame.attempt))
             if part is None:
@@ -269,8 +279,23 @@ class DataPlane:
             self._inboxes[key] = _Inbox()
         return self._inboxes[key]
 
+    def _answer(self, fragment: int, event: sm.HaveAll) -> None:
+        """A member still retrying a round this island committed: tell it what was committed."""
+        round_, r, members = self._done[fragment]
+        for a in r.handle(event, time.monotonic()):
+            if isinstance(a, sm.SendCommitted) and a.to in members:
+                c = a.commit
+                payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
+                task = asyncio.ensure_future(self.send_small(a.to, members[a.to], wire.Kind.COMMITTED, fragment, round_, c.attempts, payload))
+                self._readers.add(task)
+                task.add_done_callback(self._readers.discard)
+
     async def _conns(self, peer: str, address: tuple[str, int]) -> list[Conn]:
-        """The pool of connections to `peer` (dialled once, kept)."""
+        """The pool of connections to `peer` (dialled once, kept; dialled again if its address changed:
+        it restarted)."""
+        if self._addresses.get(peer, address) != address:
+            self.drop(peer)
+        self._addresses[peer] = address
         if peer in self._out:
             return self._out[peer]
         if peer not in self._dialing:
@@ -388,9 +413,17 @@ class DataPlane:
                 return r.outcome, parts
             return r.outcome, {}
         finally:
-            self._inboxes.pop((fragment, round_), None)
+            self._finish(fragment, round_, r, members)
             for t in sends:
                 t.cancel()
+
+    def _finish(self, fragment: int, round_: int, r: sm.Round, members: Mapping[str, tuple[str, int]]) -> None:
+        """Forget what arrived for this round and older ones of its fragment; keep the round to answer
+        a member still retrying it."""
+        if round_ >= self._done.get(fragment, (-1,))[0]:
+            self._done[fragment] = (round_, r, dict(members))
+        for key in [k for k in self._inboxes if k[0] == fragment and k[1] <= round_]:
+            del self._inboxes[key]
 
     async def _guarded(self, coro, peer: str, inbox: _Inbox) -> None:
         try:

@@ -1,0 +1,129 @@
+"""Training rounds over the project's own protocol (node/net/direct.py, `--rounds direct`): the
+islands' `Rounds` over real data planes on 127.0.0.1, in one process, with the membership given."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from islands.node.net.direct import DirectRounds
+from islands.node.net.transport import DataPlane, Identity
+from islands.node.timeouts import Timeouts
+from islands.protocols.diloco import Contribution
+from islands.protocols.validation import NormHistory, Reputation
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
+
+KEY = b"0123456789abcdef0123456789abcdef"
+SHAPES = [[("w", (64, 32)), ("b", (32,))], [("v", (100,))]]
+
+
+@dataclasses.dataclass
+class _State:
+    """What DirectRounds still takes from hivemind's side (FragmentAveraging): nothing to read here."""
+
+    follower: bool = False
+    reputation: Reputation = dataclasses.field(default_factory=Reputation)
+    history: list = dataclasses.field(default_factory=lambda: [NormHistory() for _ in SHAPES])
+    banned_events: list = dataclasses.field(default_factory=list)
+
+    async def read_peers(self) -> None:
+        pass
+
+
+async def _islands(n, compression="none"):
+    planes = [DataPlane(Identity.generate(), KEY, pool=2) for _ in range(n)]
+    for p in planes:
+        await p.start()
+    address = {p.me.peer_id: ("127.0.0.1", p.port) for p in planes}
+    timeouts = Timeouts(match_wait_s=2.0, next_chunk_s=3.0)
+
+    def rounds(plane):
+        others = {k: v for k, v in address.items() if k != plane.me.peer_id}
+        return DirectRounds(
+            plane, _State(), SHAPES, compression, timeouts, members=lambda fragment, step: dict(others),
+            others=lambda: len(others), arrival=lambda step: 0.0,
+        )
+
+    return planes, [rounds(p) for p in planes]
+
+
+def _contribution(k, fragment=0, round_=3, scale=1.0, tokens=100):
+    g = torch.Generator().manual_seed(100 * fragment + k)
+    delta = {n: torch.randn(s, generator=g) * scale for n, s in SHAPES[fragment]}
+    return Contribution(fragment=fragment, round=round_, step=20 * round_, delta=delta, weight=float(tokens * (k + 1)), fingerprint=[1.0, 2.0])
+
+
+async def _close(planes):
+    await asyncio.gather(*(p.close() for p in planes))
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_every_island_applies_the_same_token_weighted_mean(compression):
+    async def main():
+        planes, rounds = await _islands(3, compression)
+        try:
+            cs = [_contribution(k) for k in range(3)]
+            return cs, await asyncio.gather(*(r.average(c) for r, c in zip(rounds, cs, strict=True)))
+        finally:
+            await _close(planes)
+
+    cs, results = asyncio.run(main())
+    assert [r.outcome for r in results] == ["ok"] * 3
+    assert all(r.group_size == 3 and r.weight == 600.0 and not r.consensus for r in results)
+    for n in results[0].delta:
+        assert all(torch.equal(results[0].delta[n], r.delta[n]) for r in results[1:])  # bit-identical
+        expected = sum(c.weight * c.delta[n] for c in cs) / 600.0
+        assert torch.allclose(results[0].delta[n], expected, atol=1e-6 if compression == "none" else 0.05)
+    part = results[0].bytes_sent / 2  # each island sends its part to the two others
+    assert part < 4 * 64 * 33 / (1 if compression == "none" else 3.5)
+
+
+def test_a_member_that_is_gone_is_left_out_and_the_others_still_average():
+    async def main():
+        planes, rounds = await _islands(3)
+        await planes[2].close()  # its record still says it trains
+        try:
+            return await asyncio.gather(*(r.average(_contribution(k)) for k, r in enumerate(rounds[:2])))
+        finally:
+            await _close(planes[:2])
+
+    results = asyncio.run(main())
+    assert [(r.outcome, r.group_size) for r in results] == [("ok", 2), ("ok", 2)]
+    assert torch.equal(results[0].delta["w"], results[1].delta["w"])
+
+
+def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned():
+    async def main():
+        planes, rounds = await _islands(3)
+        try:
+            outcomes = []
+            for r in range(1, 5):
+                cs = [_contribution(k, round_=r, scale=1e4 if k == 2 else 1.0) for k in range(3)]
+                got = await asyncio.gather(*(x.average(c) for x, c in zip(rounds, cs, strict=True)))
+                outcomes.append([g.outcome for g in got])
+            return planes, rounds, outcomes, cs, got
+        finally:
+            await _close(planes)
+
+    planes, rounds, outcomes, cs, got = asyncio.run(main())
+    poisoner = planes[2].me.peer_id
+    assert outcomes[0][:2] == ["rejected", "rejected"]
+    assert all(torch.equal(g.delta["w"], c.delta["w"]) for g, c in zip(got[:2], cs[:2], strict=True))  # own update kept
+    assert rounds[0].state.banned_events == [poisoner] and rounds[1].state.banned_events == [poisoner]
+
+
+def test_alone_the_round_is_solo_and_with_nobody_left_in_it_failed():
+    async def main():
+        planes, rounds = await _islands(1)
+        try:
+            r = rounds[0]
+            solo = await r.average(_contribution(0))
+            r.others = lambda: 1
+            r.members = lambda fragment, step: {}
+            return solo, await r.average(_contribution(0))
+        finally:
+            await _close(planes)
+
+    solo, failed = asyncio.run(main())
+    assert (solo.outcome, failed.outcome) == ("solo", "failed")
