@@ -119,8 +119,8 @@ class NetConfig:
         "make one with: islands-node keygen PATH)", metavar="PATH",
     )
     rounds: RoundsEngine = _opt(
-        "hivemind", "what carries the fragments' rounds: hivemind's averager, or direct, the project's own protocol "
-        "over TCP between islands (every island of a run uses the same)",
+        "direct", "what carries the fragments' rounds: direct, the project's own protocol over TCP between islands, "
+        "or hivemind's averager (every island of a run uses the same)",
     )
     data_listen: str = _opt("0.0.0.0:0", "with --rounds direct: HOST:PORT the round transport listens on (port 0: any free one)", metavar="HOST:PORT")
     data_announce: str | None = _opt(

@@ -14,7 +14,11 @@ parts they already hold from each other, until `max_attempts`; with fewer than t
 the round fails (each applies its own update alone, as today). A member that dies after every
 `have` was sent may leave some members committed and others retrying: a committed member answers
 a retrying one's `have` with what it committed, and the other, which holds the same parts (it
-said so), commits the same (`Committed`). No round splits between members that stay up.
+said so), commits the same (`Committed`). A member lost after this one said `have` is asked
+again once, over a new connection, before it is dropped (a broken connection is not a dead
+member): if it committed, its answer makes this one commit too. What can still split a round is
+a member that commits on a `have` that came after its sender gave up at its deadline; the
+fingerprints of the agreed values (consensus.py) catch that, as they catch a partition.
 
 Parts as bytes, and their reduction: protocols/parts.py.
 
@@ -167,6 +171,8 @@ class Round:
         """peer -> (attempt, parts digest) of the newest `have` it sent."""
         self.gone: set[str] = set()
         self.sent_have = False
+        self.asked: set[str] = set()
+        """Members lost after this one said `have`, asked again once before they are dropped."""
         self.outcome: Commit | Fail | None = None
 
     @property
@@ -192,13 +198,18 @@ class Round:
             self.parts[event.peer] = event.digest
             return self._progress()
         if isinstance(event, HaveAll):
-            if event.peer not in self.members or event.attempt < self.attempt:
-                return []  # a stale one; one of a later attempt counts once this member gets there
+            if event.peer not in self.members or event.attempt < max(self.attempt, self.have.get(event.peer, (0, ""))[0]):
+                return []  # a stale one (messages may cross); one of a later attempt counts once this member gets there
             self.have[event.peer] = (event.attempt, event.parts)
             return self._progress()
         if isinstance(event, PeerGone):
             if event.peer not in self.members or event.peer == self.me:
                 return []
+            if self.sent_have and event.peer not in self.asked:
+                # it may have committed on this member's `have` before its link broke: ask it again
+                # (over a new connection) before dropping it; a committed member answers `Committed`
+                self.asked.add(event.peer)
+                return [SendHave(event.peer, self.have[self.me][1], self.attempt)]
             return self._retry([event.peer], f"{event.peer} is gone", now)
         if isinstance(event, Tick):
             if now < self.deadline:

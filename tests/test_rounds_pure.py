@@ -48,6 +48,8 @@ class Net:
         self.rounds = {n: Round(n, names, f"d-{n}", now, ATTEMPT_S) for n in names}
         self.inbox: list[tuple[str, object]] = []
         self.dead: set[str] = set()
+        self.killed: set[str] = set()
+        """Dead members whose connections closed (a frozen member's did not)."""
         self.log: dict[str, list] = {n: [] for n in names}
         for n, r in self.rounds.items():
             self._send(n, r.start())
@@ -55,7 +57,9 @@ class Net:
     def _send(self, sender, actions):
         self.log[sender].extend(actions)
         for a in actions:
-            if isinstance(a, SendPart):
+            if getattr(a, "to", None) in self.dead and a.to in self.killed:
+                self.inbox.append((sender, PeerGone(a.to)))  # the transport cannot reach it: its send fails
+            elif isinstance(a, SendPart):
                 self.inbox.append((a.to, PartArrived(sender, f"d-{sender}")))
             elif isinstance(a, SendHave):
                 self.inbox.append((a.to, HaveAll(sender, a.parts, a.attempt)))
@@ -75,6 +79,7 @@ class Net:
     def kill(self, name):
         """`name` dies: its queued messages are lost, the others' transports see it go."""
         self.dead.add(name)
+        self.killed.add(name)
         self.inbox = [(to, e) for to, e in self.inbox if getattr(e, "peer", None) != name]
         for n, r in self.rounds.items():
             if n not in self.dead:
@@ -148,6 +153,26 @@ def test_strangers_duplicates_and_stale_haves_change_nothing():
     assert r.handle(PartArrived("b", "other"), 0.0) == []  # a duplicate does not replace the part
     assert r.handle(HaveAll("b", "not the same parts", 1), 0.0) == []  # no commit on another digest
     assert not r.done
+
+
+def test_a_member_lost_after_the_have_is_asked_again_and_its_commit_is_adopted():
+    """a and b hold both parts and have said so; a's `have` reached b, which committed, but the
+    connection broke before b's `have` reached a: a asks b again instead of failing alone."""
+    a, b = Round("a", ["a", "b"], "d-a", 0.0, ATTEMPT_S), Round("b", ["a", "b"], "d-b", 0.0, ATTEMPT_S)
+    a.start(), b.start()
+    [have_a] = a.handle(PartArrived("b", "d-b"), 0.0)
+    b.handle(PartArrived("a", "d-a"), 0.0)
+    [commit_b] = b.handle(HaveAll("a", have_a.parts, 1), 0.0)
+    assert a.handle(PeerGone("b"), 0.1) == [SendHave("b", have_a.parts, 1)]
+    [answer] = b.handle(HaveAll("a", have_a.parts, 1), 0.2)
+    assert answer == SendCommitted("a", commit_b)
+    assert a.handle(Committed("b", commit_b.members, commit_b.parts, commit_b.attempts), 0.3) == [commit_b]
+    # lost again (it is really gone): dropped, and with nobody left the round fails
+    c = Round("c", ["c", "d"], "d-c", 0.0, ATTEMPT_S)
+    c.start()
+    c.handle(PartArrived("d", "d-d"), 0.0)
+    assert isinstance(c.handle(PeerGone("d"), 0.1)[0], SendHave)
+    assert isinstance(c.handle(PeerGone("d"), 0.2)[0], Fail)
 
 
 def test_a_have_from_a_later_attempt_counts_once_this_member_gets_there():

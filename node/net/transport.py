@@ -79,6 +79,9 @@ class Conn:
     direction: int
     """0: this side dialed and sends; 1: it accepted and receives."""
     scratch: bytearray = dataclasses.field(default_factory=bytearray)
+    sending: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    """One frame at a time: rounds of several fragments share the pool, and a frame is sealed in
+    `scratch` and written whole before the next one."""
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -340,10 +343,11 @@ class DataPlane:
     async def _send(self, conn: Conn, frame: wire.Frame, payload: memoryview) -> None:
         loop = asyncio.get_running_loop()
         header = wire.encode_header(frame)
-        out = memoryview(conn.scratch)[: len(payload) + wire.TAG_BYTES]
-        conn.aead.encrypt_into(wire.nonce(frame, 0), payload, header, out)
-        await loop.sock_sendall(conn.sock, header)
-        await loop.sock_sendall(conn.sock, out)
+        async with conn.sending:
+            out = memoryview(conn.scratch)[: len(payload) + wire.TAG_BYTES]
+            conn.aead.encrypt_into(wire.nonce(frame, 0), payload, header, out)
+            await loop.sock_sendall(conn.sock, header)
+            await loop.sock_sendall(conn.sock, out)
         self.bytes_sent += len(header) + len(out)
 
     async def send_part(self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview) -> None:
