@@ -145,7 +145,7 @@ class FragmentSync:
                 "outcome": "skipped_no_contact", "policy": "accumulate", "group_size": 0,
                 "weight": 0.0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
                 "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None, "reason": None, "norm_ratio": None,
-                "deposits": 0,
+                "deposits": 0, "digest": None, "members": None, "attempts": None,
             }
         )
 
@@ -200,6 +200,9 @@ class FragmentSync:
                 "reason": result.reason,
                 "norm_ratio": result.norm_ratio,
                 "deposits": c.deposits,
+                "digest": result.digest,
+                "members": result.members,
+                "attempts": result.attempts,
             }
         )
 

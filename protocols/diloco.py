@@ -111,6 +111,12 @@ class RoundResult:
     """Norm of the averaged update over the island's own (rounds that averaged)."""
     deposited_with: str | None = None
     """A satellite's round: the island that took its deposit."""
+    digest: str | None = None
+    """A committed round of the own protocol: a short hash of the parts reduced (equal on every member)."""
+    members: list[str] | None = None
+    """A committed round of the own protocol: its members' peer ids."""
+    attempts: int | None = None
+    """A round of the own protocol: the attempts it took."""
 
 
 @dataclasses.dataclass

@@ -64,13 +64,14 @@ def test_every_island_applies_the_same_token_weighted_mean(compression):
         planes, rounds = await _islands(3, compression)
         try:
             cs = [_contribution(k) for k in range(3)]
-            return cs, await asyncio.gather(*(r.average(c) for r, c in zip(rounds, cs, strict=True)))
+            return planes, cs, await asyncio.gather(*(r.average(c) for r, c in zip(rounds, cs, strict=True)))
         finally:
             await _close(planes)
 
-    cs, results = asyncio.run(main())
+    planes, cs, results = asyncio.run(main())
     assert [r.outcome for r in results] == ["ok"] * 3
-    assert all(r.group_size == 3 and r.weight == 600.0 and not r.consensus for r in results)
+    assert all(r.group_size == 3 and r.weight == 600.0 and not r.consensus and r.attempts == 1 for r in results)
+    assert len({r.digest for r in results}) == 1 and results[0].members == sorted(p.me.peer_id for p in planes)
     for n in results[0].delta:
         assert all(torch.equal(results[0].delta[n], r.delta[n]) for r in results[1:])  # bit-identical
         expected = sum(c.weight * c.delta[n] for c in cs) / 600.0

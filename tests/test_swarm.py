@@ -54,6 +54,13 @@ def test_three_mixed_islands_average_every_fragment_and_agree(nodes, tmp_path):
         # at the end, one last round of every fragment carries the progress since its last round
         (agree,) = node.of("agree")
         assert len(agree["last_rounds"]) == 4 and agree["bytes_sent"] > 0
+    # a round committed by the own protocol reduced the same parts on every member (its digest)
+    committed = {}
+    for node in (a, b, c):
+        for s in node.of("sync"):
+            if s["outcome"] == "ok":
+                committed.setdefault((s["fragment"], s["round"], tuple(s["members"])), set()).add(s["digest"])
+    assert committed and all(len(digests) == 1 for digests in committed.values()), committed
     ga, gb, gc = (tmp_path / n / "checkpoint" / "global.safetensors" for n in "abc")
     assert _max_diff(ga, gb) < 1e-4 and _max_diff(ga, gc) < 1e-4
     swarm_eval = a.of("summary")[0]["eval_loss"]

@@ -109,14 +109,15 @@ class DirectRounds:
         seconds = time.monotonic() - started
         if not isinstance(outcome, sm.Commit):
             logger.info("fragment %d round %d: no round: %s", c.fragment, c.round, outcome.reason)
-            return dataclasses.replace(own, seconds=seconds)
+            return dataclasses.replace(own, seconds=seconds, attempts=outcome.attempts)
+        committed = {"digest": outcome.parts, "members": list(outcome.members), "attempts": outcome.attempts}
         sent = len(part) * (len(outcome.members) - 1)
         recv = sum(len(parts[p]) for p in outcome.members if p != self.plane.me.peer_id)
         try:
             mean, total, metas = await asyncio.to_thread(reduce_parts, outcome.members, parts)
         except PartError as e:  # every member holds the same parts: every member rejects alike
             logger.warning("fragment %d round %d: %s; applying own update", c.fragment, c.round, e)
-            return dataclasses.replace(own, outcome="rejected", group_size=len(outcome.members), reason=str(e), seconds=seconds)
+            return dataclasses.replace(own, outcome="rejected", group_size=len(outcome.members), reason=str(e), seconds=seconds, **committed)
         delta, at = {}, 0
         for n, shape in zip(names, self.shapes[c.fragment], strict=True):
             k = math.prod(shape)
@@ -125,11 +126,11 @@ class DirectRounds:
         rounds = {m.get("round") for m in metas.values()}
         result = RoundResult(
             outcome="ok", delta=delta, group_size=len(outcome.members), weight=total, bytes_sent=sent, bytes_recv=recv,
-            seconds=seconds, staleness=c.staleness,
+            seconds=seconds, staleness=c.staleness, **committed,
         )
         if rounds != {c.round}:
             logger.warning("fragment %d: parts of rounds %s; keeping own update", c.fragment, rounds)
-            return dataclasses.replace(own, seconds=seconds)
+            return dataclasses.replace(own, seconds=seconds, **committed)
         why, norm = self._validate(c, metas, delta, own_norm)
         result.norm_ratio = round(norm / own_norm, 4) if own_norm > 0 and math.isfinite(norm) else None
         if why is not None:
