@@ -164,17 +164,25 @@ class Nodes:
         self.root = Path(root)
         self.started: list[NodeProcess] = []
         self.relays: list[RelayProcess] = []
+        self.links: dict[str, list[RelayProcess]] = {}
+        """name -> the relays in front of that node (its DHT's and its rounds')."""
 
     def start(
         self, name: str, args: list[str], relay: list[str] | None = None, command: list[str] = NODE, host: str = "127.0.0.1",
     ) -> NodeProcess:
         """With `relay` (the relay's options), the node listens on a fresh port of `host` behind a relay and
-        announces it; `command`: what runs it (tests.hostile for a hostile peer)."""
+        announces it, and its rounds' transport (`--data-listen`) behind a second one with the same
+        options; `command`: what runs it (tests.hostile for a hostile peer)."""
         if relay is not None:
-            port = free_port()
+            port, data_port = free_port(), free_port()
             link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")], to_host=host)
-            self.relays.append(link)
-            args = [*args, "--listen", f"/ip4/{host}/tcp/{port}", "--announce", link.maddr]
+            data = RelayProcess(
+                data_port, self.root / name / "data-relay", [*relay, "--stats-file", str(self.root / name / "relay-data.json")], to_host=host,
+            )
+            self.relays += [link, data]
+            self.links[name] = [link, data]
+            args = [*args, "--listen", f"/ip4/{host}/tcp/{port}", "--announce", link.maddr,
+                    "--data-listen", f"{host}:{data_port}", "--data-announce", f"127.0.0.1:{data.port}"]
         node = NodeProcess(args, self.root / name, name=name, command=command)
         node.t_start = time.time()
         self.started.append(node)
@@ -195,7 +203,8 @@ class Nodes:
 
     def link_bytes(self, names: list[str]) -> int:
         """Bytes the relays in front of these nodes forwarded, both ways (read once they stopped)."""
-        stats = [json.loads((self.root / n / "relay.json").read_text()) for n in names]
+        files = [self.root / n / f for n in names for f in ("relay.json", "relay-data.json")]
+        stats = [json.loads(f.read_text()) for f in files if f.exists()]
         return sum(r["to_node"] + r["from_node"] for r in stats)
 
     def stop(self) -> None:
