@@ -39,7 +39,9 @@ from islands.protocols.records import (
     redial_targets,
     remember,
     round_peers,
+    state_donors,
     swarm_step,
+    transport_addresses,
 )
 
 from .config import Config
@@ -91,8 +93,8 @@ class Network:
         self.dht: SwarmDHT | None = None
         self.averaging: FragmentAveraging | None = None
         self.rounds: FragmentAveraging | DirectRounds | None = None
-        """What the island's rounds go through (node/sync.py's `Rounds`): `averaging`, or with
-        `--rounds direct` the project's own protocol (which still uses `averaging` for the rest)."""
+        """What the island's rounds go through (node/sync.py's `Rounds`): the own protocol
+        (`--rounds direct`), or hivemind's averagers (`--rounds hivemind`: then also `averaging`)."""
         self.plane: DataPlane | None = None
         self.data_address: str | None = None
         self.peers: dict[str, IslandRecord] = {}
@@ -177,37 +179,45 @@ class Network:
         self.manifest, self.shapes = {**manifest, "rounds": self.cfg.net.rounds}, shapes
         swarm_key = self._swarm_key
         await self._check_manifest()
-        def averaging() -> FragmentAveraging:  # in the main thread: hivemind's averagers set signal handlers as they start
-            return FragmentAveraging(
-                self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
-                self.expected_group, self.timeouts,
-                peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
-                follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
-                deposit_targets=self.deposit_targets,
-            )
+        if self.cfg.net.rounds == "direct":
+            await self._open_direct(swarm_key)
+        else:
+            def averaging() -> FragmentAveraging:  # in the main thread: hivemind's averagers set signal handlers as they start
+                return FragmentAveraging(
+                    self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
+                    self.expected_group, self.timeouts,
+                    peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
+                    follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
+                    deposit_targets=self.deposit_targets,
+                )
 
-        self.averaging = averaging() if in_main_thread is None else await in_main_thread(averaging)
-        self.rounds = self.averaging
-        await self.averaging.open_deposits(self.dht.dht)
-        if self.cfg.net.rounds == "direct" and not self.role.satellite:
-            await self._open_plane(swarm_key)
+            self.averaging = averaging() if in_main_thread is None else await in_main_thread(averaging)
+            self.rounds = self.averaging
+            await self.averaging.open_deposits(self.dht.dht)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
 
-    async def _open_plane(self, swarm_key: bytes | None) -> None:
-        """Listen for rounds on the direct transport; the island's record publishes where."""
-        net = self.cfg.net
-        key, peer_id = load_identity(self.identity_path)
-        self.plane = DataPlane(Identity(key._private_key, peer_id), swarm_key, on_refused=self.on_refused)
-        host, port = parse_address(net.data_listen)
-        port = await self.plane.start(host, port)
-        self.data_address = net.data_announce or data_address(host, port, [*net.announce, *self.maddrs()])
-        logger.info("rounds: direct transport on %s:%d, announced as %s", host, port, self.data_address)
+    async def _open_direct(self, swarm_key: bytes | None) -> None:
+        """The own round protocol: an island listens for rounds (its record publishes where); deposits
+        and state downloads over libp2p."""
+        net, plane = self.cfg.net, None
+        if not self.role.satellite:
+            key, peer_id = load_identity(self.identity_path)
+            plane = self.plane = DataPlane(Identity(key._private_key, peer_id), swarm_key, on_refused=self.refusals)
+            host, port = parse_address(net.data_listen)
+            port = await plane.start(host, port)
+            self.data_address = net.data_announce or data_address(host, port, [*net.announce, *self.maddrs()])
+            logger.info("rounds: direct transport on %s:%d, announced as %s", host, port, self.data_address)
         self.rounds = DirectRounds(
-            self.plane, self.averaging, self.shapes, self.cfg.diloco.compression, self.timeouts,
+            plane, self.dht.namespace, self.shapes, self.cfg.diloco.compression, self.timeouts,
             members=lambda fragment, step: round_peers(self.peer_id, self.live(), fragment, step, self.cfg.diloco.tau),
             others=lambda: self.expected_group() - 1, arrival=self.arrival_s,
+            donors=lambda: state_donors(self.peer_id, self.live()),
+            everyone=lambda: transport_addresses(self.peer_id, self.live()),
+            follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
+            deposit_targets=self.deposit_targets, refresh_peers=self.read_peers,
         )
+        await self.rounds.open(self.dht.dht)
 
     async def _check_manifest(self) -> None:
         theirs = await self.dht.get_manifest()
@@ -248,14 +258,14 @@ class Network:
         """Pass on the refusals and bans seen since the last call (from the DHT's and averagers' processes too)."""
         for what in self.refusals.drain():
             self.on_refused(what)
-        if self.averaging is not None:
-            banned, self.averaging.banned_events = self.averaging.banned_events, []
+        if self.rounds is not None:
+            banned, self.rounds.banned_events = self.rounds.banned_events, []
             for peer in banned:
                 self.on_banned(peer)
 
     def counts(self) -> dict[str, int]:
         """Peers seen (live records, this island's included), peers banned, records dropped since start."""
-        banned = 0 if self.averaging is None else len(self.averaging.reputation.banned(self._monotonic()))
+        banned = 0 if self.rounds is None else len(self.rounds.reputation.banned(self._monotonic()))
         return {
             "peers": len(self.live()), "banned": banned,
             "forged": self.dht.forged_records if self.dht else 0, "malformed": self.dht.malformed_records if self.dht else 0,
@@ -285,9 +295,9 @@ class Network:
     async def redial(self) -> None:
         """Dial again the known peers the DHT has lost (after a partition, it would not by itself)."""
         targets = redial_targets(self.known, self._now(), self.peer_id, self.cfg.net.join)
-        if self.averaging is not None:
+        if self.rounds is not None:
             now = self._monotonic()
-            targets = {p: m for p, m in targets.items() if not self.averaging.reputation.is_banned(p, now)}
+            targets = {p: m for p, m in targets.items() if not self.rounds.reputation.is_banned(p, now)}
         try:
             back = await self.dht.redial(targets)
         except Exception as e:  # noqa: BLE001 - next refresh tries again
@@ -317,9 +327,9 @@ class Network:
     def live(self) -> dict[str, IslandRecord]:
         """Fresh records, without the peers this island banned (it does not wait for them)."""
         live = live_records(self.peers, self._now())
-        if self.averaging is not None:
+        if self.rounds is not None:
             now = self._monotonic()
-            live = {p: r for p, r in live.items() if not self.averaging.reputation.is_banned(p, now)}
+            live = {p: r for p, r in live.items() if not self.rounds.reputation.is_banned(p, now)}
         return live
 
     def _other_islands(self, training: bool = True) -> dict[str, IslandRecord]:
@@ -423,8 +433,8 @@ class Network:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         await self.withdraw()
-        if self.plane is not None:
-            await self.plane.close()
+        if isinstance(self.rounds, DirectRounds):
+            await self.rounds.close()
         if self.averaging is not None:
             await self.averaging.close_deposits()
             await asyncio.to_thread(self.averaging.shutdown)

@@ -237,6 +237,19 @@ def data_address(host: str, port: int, maddrs: Sequence[str]) -> str:
     return f"{(public or ips or ['127.0.0.1'])[0]}:{port}"
 
 
+def transport_addresses(me: str, live: Mapping[str, IslandRecord]) -> dict[str, tuple[str, int]]:
+    """The round transport's address of each other live, training island that publishes one."""
+    out = {}
+    for p, r in other_islands(me, live).items():
+        try:
+            host, port = parse_address(r.data or "")
+        except ValueError:
+            continue
+        if port > 0:
+            out[p] = (host, port)
+    return out
+
+
 def round_peers(
     me: str, live: Mapping[str, IslandRecord], fragment: int, step: int, overlap: int,
 ) -> dict[str, tuple[str, int]]:
@@ -246,16 +259,14 @@ def round_peers(
     their fragment's last round). One still training towards `step` is a member: its part comes
     when it gets there."""
     out = {}
-    for p, r in other_islands(me, live).items():
-        if r.data is None:
-            continue
-        ((now, last),) = peer_progress([r], fragment)
-        if now > step + overlap or last >= step:
-            continue
-        try:
-            host, port = parse_address(r.data)
-        except ValueError:
-            continue
-        if port > 0:
-            out[p] = (host, port)
+    for p, address in transport_addresses(me, live).items():
+        ((now, last),) = peer_progress([live[p]], fragment)
+        if now <= step + overlap and last < step:
+            out[p] = address
     return out
+
+
+def state_donors(me: str, live: Mapping[str, IslandRecord]) -> list[str]:
+    """The islands to download a fragment's state from, in the order to try: the live, training
+    ones, the furthest first (ties: by peer id)."""
+    return [p for _, p in sorted((-r.step, p) for p, r in other_islands(me, live).items())]

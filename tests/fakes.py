@@ -13,7 +13,7 @@ import torch
 from islands.node.config import Config
 from islands.node.contact import ContactClock
 from islands.node.island import IslandCore
-from islands.node.net.averaging import STALE_WEIGHT
+from islands.node.net.base import STALE_WEIGHT
 from islands.node.network import Network
 from islands.node.roles import IslandRole, SatelliteRole
 from islands.protocols.consensus import TOLERANCE, consensus_needed

@@ -2,7 +2,6 @@
 islands' `Rounds` over real data planes on 127.0.0.1, in one process, with the membership given."""
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
@@ -10,25 +9,11 @@ from islands.node.net.direct import DirectRounds
 from islands.node.net.transport import DataPlane, Identity
 from islands.node.timeouts import Timeouts
 from islands.protocols.diloco import Contribution
-from islands.protocols.validation import NormHistory, Reputation
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
 KEY = b"0123456789abcdef0123456789abcdef"
 SHAPES = [[("w", (64, 32)), ("b", (32,))], [("v", (100,))]]
-
-
-@dataclasses.dataclass
-class _State:
-    """What DirectRounds still takes from hivemind's side (FragmentAveraging): nothing to read here."""
-
-    follower: bool = False
-    reputation: Reputation = dataclasses.field(default_factory=Reputation)
-    history: list = dataclasses.field(default_factory=lambda: [NormHistory() for _ in SHAPES])
-    banned_events: list = dataclasses.field(default_factory=list)
-
-    async def read_peers(self) -> None:
-        pass
 
 
 async def _islands(n, compression="none"):
@@ -41,8 +26,8 @@ async def _islands(n, compression="none"):
     def rounds(plane):
         others = {k: v for k, v in address.items() if k != plane.me.peer_id}
         return DirectRounds(
-            plane, _State(), SHAPES, compression, timeouts, members=lambda fragment, step: dict(others),
-            others=lambda: len(others), arrival=lambda step: 0.0,
+            plane, "test", SHAPES, compression, timeouts, members=lambda fragment, step: dict(others),
+            others=lambda: len(others), arrival=lambda step: 0.0, donors=lambda: [], everyone=lambda: dict(others),
         )
 
     return planes, [rounds(p) for p in planes]
@@ -111,7 +96,7 @@ def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned():
     poisoner = planes[2].me.peer_id
     assert outcomes[0][:2] == ["rejected", "rejected"]
     assert all(torch.equal(g.delta["w"], c.delta["w"]) for g, c in zip(got[:2], cs[:2], strict=True))  # own update kept
-    assert rounds[0].state.banned_events == [poisoner] and rounds[1].state.banned_events == [poisoner]
+    assert rounds[0].banned_events == [poisoner] and rounds[1].banned_events == [poisoner]
 
 
 def test_alone_the_round_is_solo_and_with_nobody_left_in_it_failed():
@@ -128,3 +113,24 @@ def test_alone_the_round_is_solo_and_with_nobody_left_in_it_failed():
 
     solo, failed = asyncio.run(main())
     assert (solo.outcome, failed.outcome) == ("solo", "failed")
+
+
+def test_a_consensus_round_gives_every_member_the_exact_mean_of_the_agreed_values_and_momentum():
+    async def main():
+        planes, rounds = await _islands(3)
+        try:
+            base = _contribution(99).delta  # agreed values a little apart (a round that split, a partition)
+            near = [{n: base[n] + 0.01 * d for n, d in _contribution(k).delta.items()} for k in range(6)]
+            state = [(near[k], near[k + 3]) for k in range(3)]
+            got = await asyncio.gather(*(r.consensus(0, 5, g, m) for r, (g, m) in zip(rounds, state, strict=True)))
+            return state, got
+        finally:
+            await _close(planes)
+
+    state, got = asyncio.run(main())
+    assert all(g is not None for g in got)
+    for n in ("w", "b"):
+        assert all(torch.equal(got[0][0][n], g[0][n]) and torch.equal(got[0][1][n], g[1][n]) for g in got[1:])
+        assert torch.allclose(got[0][0][n], sum(s[0][n] for s in state) / 3, atol=1e-6)
+        assert torch.allclose(got[0][1][n], sum(s[1][n] for s in state) / 3, atol=1e-6)
+    assert got[0][2] > 0

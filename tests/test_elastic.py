@@ -214,21 +214,23 @@ def test_satellite_contributes_in_contact_and_islands_never_wait_for_it(nodes, t
 @pytest.mark.slow
 def test_partition_and_heal_end_with_one_model(nodes, relays, tmp_path):
     """Each island behind its own relay; stopping both relays cuts every link between them."""
-    ports = free_port(), free_port()
+    ports, data_ports = (free_port(), free_port()), (free_port(), free_port())
     ra, rb = relays(ports[0], tmp_path / "ra"), relays(ports[1], tmp_path / "rb")
+    da, db = relays(data_ports[0], tmp_path / "da"), relays(data_ports[1], tmp_path / "db")  # the rounds' transport
     common = ["--window", "20", "--fragments", "4", "--steps", "420", "--run-id", "split", "--match-wait-s", "3", "--wait-islands", "2"]
-    a, join = _first(nodes, tmp_path, [*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[0]}", "--announce", ra.maddr])
+    behind = [[f"--data-listen=127.0.0.1:{port}", f"--data-announce=127.0.0.1:{relay.port}"] for port, relay in zip(data_ports, (da, db), strict=True)]
+    a, join = _first(nodes, tmp_path, [*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[0]}", "--announce", ra.maddr, *behind[0]])
     assert f"/tcp/{ra.port}/" in join
-    b = nodes([*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[1]}", "--announce", rb.maddr, "--join", join], tmp_path / "b", name="b")
+    b = nodes([*common, "--listen", f"/ip4/127.0.0.1/tcp/{ports[1]}", "--announce", rb.maddr, *behind[1], "--join", join], tmp_path / "b", name="b")
     b.wait_for(lambda e: e["event"] == "sync" and e["step"] >= 60 and e["outcome"] == "ok", 120, "an ok sync at step 60")
-    ra.cut()
-    rb.cut()
+    for relay in (ra, rb, da, db):
+        relay.cut()
     cut_at = max(a.steps())
     # both sides train on; once the other's record has lapsed they sync alone
     for node in (a, b):
         node.wait_for(lambda e: e["event"] == "sync" and e["step"] > cut_at and e["outcome"] == "solo", 90, "a solo sync in the partition")
-    ra.heal()
-    rb.heal()
+    for relay in (ra, rb, da, db):
+        relay.heal()
     healed_at = max(a.steps())
     assert healed_at < 340, "the partition outlasted the run"
     for node in (a, b):

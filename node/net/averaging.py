@@ -13,7 +13,6 @@ the island's own update.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -27,16 +26,12 @@ from hivemind.compression import (
 from hivemind.utils import get_dht_time
 from islands.node.net.codecs import compression_codec, consensus_compression, install_codec_fixes
 from islands.node.timeouts import Timeouts
-from islands.protocols.admission import admission_tag, derive, untagged_members
+from islands.protocols.admission import admission_tag, untagged_members
 from islands.protocols.compression import BLOCK
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, RoundResult
-from islands.protocols.outer import fold_deposits
 from islands.protocols.validation import (
-    NormHistory,
-    Reputation,
     check_consensus,
-    check_deposit,
     check_update,
     consensus_bound,
     flatten,
@@ -46,12 +41,10 @@ from islands.protocols.validation import (
 )
 
 from .averager import IslandAverager, round_group_bits
-from .deposit import DepositBox
+from .base import STALE_WEIGHT, RoundsBase
 
 logger = logging.getLogger(__name__)
 
-STALE_WEIGHT = 1e-6
-"""hivemind needs a positive weight; a member whose base is stale takes part with this one."""
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "int8": 1 + 4 / BLOCK}
 
 
@@ -69,7 +62,7 @@ def allreduce_wire_bytes(num_values: int, group_size: int, compression: str) -> 
     return int(2 * num_values * BYTES_PER_VALUE[compression] * (group_size - 1) / group_size)
 
 
-class FragmentAveraging:
+class FragmentAveraging(RoundsBase):
     """The averaging side of Streaming DiLoCo: `average(contribution)` for any fragment."""
 
     def __init__(
@@ -96,35 +89,21 @@ class FragmentAveraging:
         `namespace`: the run's DHT prefix (admission.namespace); `swarm_key`: rounds admit only members
         that show a tag made with it; `on_refused(what)` hears of every join this island refuses."""
         install_codec_fixes()
+        super().__init__(
+            namespace, shapes, compression, compression_codec(compression), timeouts, follower, swarm_key, on_refused,
+            deposit_targets, refresh_peers,
+        )
+        timeouts = self.timeouts
         self.peer_id = dht.peer_id.to_base58()
-        self.round_key = None if swarm_key is None else derive(swarm_key, "rounds")
-        self.reputation = Reputation()
-        self.history = [NormHistory() for _ in shapes]
-        """Per fragment, the norms of the averaged pseudo-gradients accepted lately (validation.py)."""
-        self.banned_events: list[str] = []
-        """Peers banned since the caller last looked (it logs them)."""
-        self.follower = follower
-        self.on_refused = on_refused or (lambda what: None)
-        self.namespace = namespace
-        self.shapes = shapes
-        self.deposit_targets = deposit_targets or (lambda: [])
-        self.deposits: DepositBox | None = None
         self.peer_progress = peer_progress or (lambda fragment: [])
         self.arrival = arrival or (lambda step: 0.0)
         """Seconds until the last live island still short of a step gets there (records.arrival_s)."""
-        self.refresh_peers = refresh_peers
-        self._records_read: asyncio.Future | None = None
-        self._records_read_started = float("-inf")
         self.overlap = overlap
-        self.timeouts = timeouts = timeouts or Timeouts()
         self.wait_s = self._base_wait_s = timeouts.match_wait_s * (2 if follower else 1)
         """The current match wait: doubled after a round that found nobody (up to max_match_wait_s),
         so that an island that fell behind is waited for until it catches up; reset by a good round."""
-        self.compression = compression
-        self.codec = compression_codec(compression)
         self.expected_group = expected_group
         """How many members a round should wait for: live islands and satellites in contact."""
-        self.names = [[n for n, _ in frag] for frag in shapes]
         self.num_values = [sum(int(torch.Size(s).numel()) for _, s in frag) for frag in shapes]
         self.averagers = [
             IslandAverager(
@@ -152,78 +131,6 @@ class FragmentAveraging:
             averager.round_key = self.round_key
             averager.on_refused = on_refused or (lambda what: None)
             averager.run_in_background(await_ready=True)
-
-    async def open_deposits(self, dht: DHT) -> None:
-        """Islands take satellites' deposits from now on; a satellite can send them."""
-        p2p = await dht.replicate_p2p()
-        self.deposits = DepositBox(
-            p2p, self.namespace, self.shapes, self.codec, self.round_key,
-            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused,
-        )
-        if not self.follower:
-            await self.deposits.open()
-
-    async def close_deposits(self) -> None:
-        if self.deposits is not None:
-            await self.deposits.close()
-
-    def fold_deposits(self, c: Contribution) -> Contribution:
-        """The contribution with the satellites' deposits for its fragment folded in (outer.fold_deposits);
-        a deposit whose check fails (validation.check_deposit) is dropped and logged."""
-        if self.deposits is None:
-            return c
-        kept = []
-        for d in self.deposits.take(c.fragment):
-            why = check_deposit(d.delta, c.delta, self.history[c.fragment], d.staleness)
-            if why is not None:
-                self.on_refused(f"deposit from {d.peer}: {why}")
-                logger.warning("fragment %d: dropped the deposit of %s: %s", c.fragment, d.peer, why)
-                continue
-            kept.append(d)
-        if not kept:
-            return c
-        delta, weight = fold_deposits(c.delta, c.weight, [(d.delta, d.weight) for d in kept])
-        return dataclasses.replace(c, delta=delta, weight=weight, deposits=len(kept), deposit_bytes=sum(d.nbytes for d in kept))
-
-    async def deposit(self, c: Contribution) -> RoundResult:
-        """A satellite's round: its contribution deposited with the first island that takes it."""
-        started = time.monotonic()
-        for island in self.deposit_targets()[:2] if self.deposits is not None else []:
-            try:
-                sent = await self.deposits.send(
-                    island, c.fragment, c.round, c.delta, c.weight, c.staleness, timeout_s=self.timeouts.allreduce_s,
-                )
-            except Exception as e:  # noqa: BLE001 - refused, gone, timed out: try the next
-                logger.info("fragment %d: deposit with %s failed: %r", c.fragment, island, e)
-                continue
-            return RoundResult(
-                outcome="ok", delta=c.delta, group_size=2, weight=c.weight, bytes_sent=sent,
-                seconds=time.monotonic() - started, staleness=c.staleness, deposited_with=island,
-            )
-        return RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight, seconds=time.monotonic() - started)
-
-    def prefetch(self) -> None:
-        """Start reading the island records for a round about to start: over a long link the read
-        takes a few round trips, which the round then does not wait for (see `read_peers`)."""
-        if self.refresh_peers is None:
-            return
-        if self._records_read is None or self._records_read.done() or not self._records_read_fresh():
-            self._start_records_read()
-
-    async def read_peers(self) -> None:
-        """The records as of at most Timeouts.records_fresh_s ago (a prefetched read, or a new one)."""
-        if self.refresh_peers is None:
-            return
-        if self._records_read is None or not self._records_read_fresh():
-            self._start_records_read()
-        await asyncio.shield(self._records_read)  # bounded inside refresh_peers
-
-    def _records_read_fresh(self) -> bool:
-        return time.monotonic() - self._records_read_started <= self.timeouts.records_fresh_s
-
-    def _start_records_read(self) -> None:
-        self._records_read_started = time.monotonic()
-        self._records_read = asyncio.ensure_future(self.refresh_peers())
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult:
         """One round of the contribution's fragment; `wait_s`: match for at least that long."""
@@ -324,9 +231,7 @@ class FragmentAveraging:
                 [p for p in others if member_report_bad(gathered[p], reference)] if contribution or not spoiled
                 else [p for p in spoiled if p != self.peer_id]
             )
-        for peer in self.reputation.blame(suspects, others, now):
-            logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, self.reputation.banned_until[peer] - now)
-            self.banned_events.append(peer)
+        self._ban(suspects, others)
         return why, norm
 
     def _group_key(self, fragment: int, group_bits: str) -> str:

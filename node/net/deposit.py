@@ -133,7 +133,7 @@ class DepositBox:
         if meta is None:
             raise DepositRefused("empty")
         p = meta["fragment"]
-        tensors = await asyncio.to_thread(_deserialize, parts)
+        tensors = await asyncio.to_thread(deserialize_parts, parts)
         names = self.names[p]
         if len(tensors) != len(names):
             raise DepositRefused(f"{len(tensors)} tensors for a fragment of {len(names)}")
@@ -205,8 +205,9 @@ def _metadata(raw: bytes) -> dict:
     return out
 
 
-def _deserialize(parts: list) -> list[torch.Tensor]:
-    """Tensors from streamed parts: a part with a dtype starts a new tensor (hivemind's split_for_streaming)."""
+def deserialize_parts(parts: list, error: type[Exception] = DepositRefused) -> list[torch.Tensor]:
+    """Tensors from streamed parts: a part with a dtype starts a new tensor (hivemind's split_for_streaming);
+    `error` for a malformed one."""
     tensors, current = [], []
     try:
         for part in parts:
@@ -217,5 +218,5 @@ def _deserialize(parts: list) -> list[torch.Tensor]:
         if current:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
     except Exception as e:  # noqa: BLE001 - a malformed tensor
-        raise DepositRefused(f"malformed tensor: {e!r}") from None
+        raise error(f"malformed tensor: {e!r}") from None
     return tensors

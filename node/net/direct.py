@@ -9,8 +9,11 @@ only when every member holds every part, and every member reduces the same parts
 so a committed round gives the same bits everywhere. A member that dies or stays silent is dropped
 and the others retry at once without it.
 
-Still on hivemind (`state`, the FragmentAveraging this wraps): satellites' deposits, the state
-download for joiners and rebases, and consensus rounds; this step moves only the training rounds.
+A consensus round (the agreed values and momentum themselves, when the members' fingerprints
+differ) is a round of the same protocol among the same members, on its own channel (the fragment
+number + CONSENSUS in the frame), in fp32. The state a joiner, a rebasing member or a satellite
+downloads comes over libp2p (state.py), like the satellites' deposits (deposit.py): a peer that
+cannot be dialled can still dial.
 """
 
 from __future__ import annotations
@@ -23,73 +26,144 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from hivemind import DHT
 from islands.node.timeouts import Timeouts
 from islands.protocols import rounds as sm
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, RoundResult
 from islands.protocols.parts import PartError, encode_part, reduce_parts
-from islands.protocols.validation import check_update, member_report_bad, tensors_norm
+from islands.protocols.validation import (
+    check_consensus,
+    check_update,
+    consensus_bound,
+    member_report_bad,
+    tensors_norm,
+)
 
-from .averaging import STALE_WEIGHT, FragmentAveraging
+from .base import STALE_WEIGHT, RoundsBase
+from .codecs import compression_codec
+from .state import StateBox
 from .transport import DataPlane
 
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+CONSENSUS = 0x8000
+"""A consensus round of fragment p runs on channel p + CONSENSUS (the frame's fragment field)."""
 
 
-class DirectRounds:
-    """`Rounds` (node/sync.py) whose training rounds run over the direct transport."""
+class DirectRounds(RoundsBase):
+    """`Rounds` (node/sync.py) over the direct transport; deposits and state downloads over libp2p."""
 
     def __init__(
-        self, plane: DataPlane, state: FragmentAveraging, shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
+        self, plane: DataPlane | None, namespace: str, shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
         compression: str, timeouts: Timeouts, members: Callable[[int, int], dict[str, tuple[str, int]]],
-        others: Callable[[], int], arrival: Callable[[int], float],
+        others: Callable[[], int], arrival: Callable[[int], float], donors: Callable[[], list[str]],
+        everyone: Callable[[], dict[str, tuple[str, int]]], follower: bool = False, swarm_key: bytes | None = None,
+        on_refused: Callable[[str], None] | None = None, deposit_targets: Callable[[], list[str]] | None = None,
+        refresh_peers=None,
     ):
-        """`members(fragment, step)`: the other members of the round of `fragment` starting at `step`,
+        """`plane`: the transport (None for a satellite: it deposits instead);
+        `members(fragment, step)`: the other members of the round of `fragment` starting at `step`,
         with their addresses (records.round_peers); `others()`: how many other live islands there
-        are; `arrival(step)`: seconds until the last island still short of `step` gets there."""
+        are; `arrival(step)`: seconds until the last island still short of `step` gets there;
+        `donors()`: the islands to download state from, in the order to try (records.state_donors);
+        `everyone()`: the other live islands' addresses (a consensus round at the end of the run)."""
+        if plane is None and not follower:
+            raise ValueError("an island's rounds need a transport")
+        super().__init__(
+            namespace, shapes, compression, compression_codec(compression), timeouts, follower, swarm_key, on_refused,
+            deposit_targets, refresh_peers,
+        )
         self.plane = plane
-        self.state = state
-        self.compression = compression
-        self.timeouts = timeouts
         self.members = members
         self.others = others
         self.arrival = arrival
-        self.names = [[n for n, _ in frag] for frag in shapes]
-        self.shapes = [[tuple(s) for _, s in frag] for frag in shapes]
+        self.donors = donors
+        self.everyone = everyone
+        self.layout_shapes = [[tuple(s) for _, s in frag] for frag in shapes]
+        self.states: StateBox | None = None
+        self._provider = None
+        self._committed: dict[tuple[int, int], tuple[str, ...]] = {}
+        """(fragment, round) -> members of the newest committed rounds (their consensus runs among them)."""
 
-    # --- still hivemind's -----------------------------------------------------------------------
+    @property
+    def me(self) -> str:
+        return self.plane.me.peer_id
 
-    def prefetch(self) -> None:
-        self.state.prefetch()
+    async def open(self, dht: DHT) -> None:
+        """Deposits and state downloads (libp2p) from now on."""
+        await self.open_deposits(dht)
+        p2p = await dht.replicate_p2p()
+        self.states = StateBox(
+            p2p, self.namespace, self.shapes, self.round_key,
+            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused,
+        )
+        self.states.provider = self._provider
+        if not self.follower:
+            await self.states.open()
 
-    def fold_deposits(self, c: Contribution) -> Contribution:
-        return self.state.fold_deposits(c)
-
-    async def consensus(self, fragment, round_, global_, momentum, stale=False, apart=(0.0, 0.0), wait_s=None):
-        return await self.state.consensus(fragment, round_, global_, momentum, stale=stale, apart=apart, wait_s=wait_s)
+    async def close(self) -> None:
+        await self.close_deposits()
+        if self.states is not None:
+            await self.states.close()
+        if self.plane is not None:
+            await self.plane.close()
 
     def share_state(self, provider, priority: float) -> None:
-        self.state.share_state(provider, priority)
+        """Joiners may download each fragment's state from this island (the furthest island is
+        asked first: records.state_donors)."""
+        self._provider = provider
+        if self.states is not None:
+            self.states.provider = provider
 
     async def download(self, fragment: int, timeout_s: float):
-        return await self.state.download(fragment, timeout_s)
+        if self.states is None:
+            return None
+        return await self.states.fetch(self.donors(), fragment, timeout_s)
 
     # --- the rounds -----------------------------------------------------------------------------
 
-    def attempt_s(self, step: int, wait_s: float | None) -> float:
+    def attempt_s(self, step: int | None, wait_s: float | None) -> float:
         """How long an attempt waits for a silent member: the match wait, or longer for an island
         still training towards the round's step (bounded), plus a part's transfer."""
         t = self.timeouts
-        wait = max(wait_s or 0.0, t.match_wait_s, min(t.max_match_wait_s, t.match_wait_s + self.arrival(step)))
-        return min(wait + t.next_chunk_s, t.round_s / MAX_ATTEMPTS - 1.0)
+        behind = 0.0 if step is None else min(t.max_match_wait_s, t.match_wait_s + self.arrival(step))
+        return min(max(wait_s or 0.0, t.match_wait_s, behind) + t.next_chunk_s, t.round_s / MAX_ATTEMPTS - 1.0)
+
+    async def _round(
+        self, channel: int, round_: int, peers: dict[str, tuple[str, int]], values: torch.Tensor, weight: float, codec: str,
+        meta: dict, attempt_s: float,
+    ) -> tuple[sm.Commit | sm.Fail, torch.Tensor | None, float, dict[str, dict], int, int]:
+        """One round of the protocol: (outcome, the reduced values, their total weight, each member's
+        meta, bytes sent, bytes received); PartError from a part that does not decode."""
+        part = await asyncio.to_thread(encode_part, values, weight, codec, meta)
+        outcome, parts = await self.plane.run_round(
+            channel, round_, {**peers, self.me: ("", 0)}, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS,
+        )
+        if not isinstance(outcome, sm.Commit):
+            return outcome, None, 0.0, {}, 0, 0
+        sent = len(part) * (len(outcome.members) - 1)
+        recv = sum(len(parts[p]) for p in outcome.members if p != self.me)
+        mean, total, metas = await asyncio.to_thread(reduce_parts, outcome.members, parts)
+        return outcome, mean, total, metas, sent, recv
+
+    def _split(self, fragment: int, flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for n, shape in zip(self.names[fragment], self.layout_shapes[fragment], strict=True):
+            k = math.prod(shape)
+            out[n] = flat[at : at + k].view(shape).to(like[n].dtype)
+            at += k
+        return out
+
+    def _flat(self, fragment: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([values[n].detach().reshape(-1).to("cpu", torch.float32) for n in self.names[fragment]])
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult:
         c = contribution
-        await self.state.read_peers()  # the records as of just before the round
-        if self.state.follower:
-            return await self.state.deposit(c)
+        await self.read_peers()  # the records as of just before the round
+        if self.follower:
+            return await self.deposit(c)
         own = RoundResult(outcome="failed", delta=c.delta, group_size=1, weight=c.weight)
         if self.others() == 0:
             return dataclasses.replace(own, outcome="solo")
@@ -97,40 +171,32 @@ class DirectRounds:
         if not peers:
             return own  # the others have applied this round already: catch up instead of waiting
         started = time.monotonic()
-        names = self.names[c.fragment]
         own_norm = tensors_norm(c.delta.values())
         meta = {"round": c.round, "step": c.step, "fp": c.fingerprint, "stale": c.staleness}
-        flat = torch.cat([c.delta[n].detach().reshape(-1).to("cpu", torch.float32) for n in names])
-        part = await asyncio.to_thread(encode_part, flat, max(c.weight, STALE_WEIGHT), self.compression, meta)
-        members = {**peers, self.plane.me.peer_id: ("", 0)}
-        outcome, parts = await self.plane.run_round(
-            c.fragment, c.round, members, part, attempt_s=self.attempt_s(c.step, wait_s), max_attempts=MAX_ATTEMPTS,
-        )
+        try:
+            outcome, mean, total, metas, sent, recv = await self._round(
+                c.fragment, c.round, peers, self._flat(c.fragment, c.delta), max(c.weight, STALE_WEIGHT), self.compression,
+                meta, self.attempt_s(c.step, wait_s),
+            )
+        except PartError as e:  # every member holds the same parts: every member rejects alike
+            logger.warning("fragment %d round %d: %s; applying own update", c.fragment, c.round, e)
+            return dataclasses.replace(own, outcome="rejected", reason=str(e), seconds=time.monotonic() - started)
         seconds = time.monotonic() - started
         if not isinstance(outcome, sm.Commit):
             logger.info("fragment %d round %d: no round: %s", c.fragment, c.round, outcome.reason)
             return dataclasses.replace(own, seconds=seconds, attempts=outcome.attempts)
-        committed = {"digest": outcome.parts, "members": list(outcome.members), "attempts": outcome.attempts}
-        sent = len(part) * (len(outcome.members) - 1)
-        recv = sum(len(parts[p]) for p in outcome.members if p != self.plane.me.peer_id)
-        try:
-            mean, total, metas = await asyncio.to_thread(reduce_parts, outcome.members, parts)
-        except PartError as e:  # every member holds the same parts: every member rejects alike
-            logger.warning("fragment %d round %d: %s; applying own update", c.fragment, c.round, e)
-            return dataclasses.replace(own, outcome="rejected", group_size=len(outcome.members), reason=str(e), seconds=seconds, **committed)
-        delta, at = {}, 0
-        for n, shape in zip(names, self.shapes[c.fragment], strict=True):
-            k = math.prod(shape)
-            delta[n] = mean[at : at + k].view(shape).to(c.delta[n].dtype)
-            at += k
-        rounds = {m.get("round") for m in metas.values()}
+        self._committed[(c.fragment, c.round)] = outcome.members
+        for key in [k for k in self._committed if k[0] == c.fragment and k[1] < c.round - 2]:
+            del self._committed[key]
+        delta = self._split(c.fragment, mean, c.delta)
         result = RoundResult(
             outcome="ok", delta=delta, group_size=len(outcome.members), weight=total, bytes_sent=sent, bytes_recv=recv,
-            seconds=seconds, staleness=c.staleness, **committed,
+            seconds=seconds, staleness=c.staleness, digest=outcome.parts, members=list(outcome.members), attempts=outcome.attempts,
         )
+        rounds = {m.get("round") for m in metas.values()}
         if rounds != {c.round}:
             logger.warning("fragment %d: parts of rounds %s; keeping own update", c.fragment, rounds)
-            return dataclasses.replace(own, seconds=seconds, **committed)
+            return dataclasses.replace(result, outcome="failed", delta=c.delta, weight=c.weight)
         why, norm = self._validate(c, metas, delta, own_norm)
         result.norm_ratio = round(norm / own_norm, 4) if own_norm > 0 and math.isfinite(norm) else None
         if why is not None:
@@ -143,17 +209,52 @@ class DirectRounds:
     def _validate(self, c: Contribution, metas: dict[str, dict], delta: dict[str, torch.Tensor], own_norm: float) -> tuple[str | None, float]:
         """(why the round's result must not be applied (validation.py) or None, the result's norm);
         blames the members whose own part is out of bounds, and bans repeat offenders."""
-        now = time.monotonic()
-        me, reputation, history = self.plane.me.peer_id, self.state.reputation, self.state.history[c.fragment]
-        others = [p for p in metas if p != me]
+        history = self.history[c.fragment]
+        others = [p for p in metas if p != self.me]
         reference = history.reference(own_norm)
         why, norm = check_update(delta, c.delta, history)
         if why is None:
             history.accept(norm)
-            reputation.accepted(others, now)
+            self.reputation.accepted(others, time.monotonic())
             return None, norm
-        suspects = [p for p in others if member_report_bad({"norm": metas[p]["value_norm"], "weight": metas[p]["weight"]}, reference)]
-        for peer in reputation.blame(suspects, others, now):
-            logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, reputation.banned_until[peer] - now)
-            self.state.banned_events.append(peer)
+        self._ban([p for p in others if member_report_bad({"norm": metas[p]["value_norm"], "weight": metas[p]["weight"]}, reference)], others)
         return why, norm
+
+    async def consensus(
+        self, fragment: int, round_: int, global_: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
+        stale: bool = False, apart: tuple[float, float] = (0.0, 0.0), wait_s: float | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int] | None:
+        """Average the agreed values and outer momentum themselves (equal weights; a stale member ~0),
+        in fp32, among the members of the committed round (all live islands at the end of the run).
+        `apart`: how far this island's values travelled alone since they last agreed with others'
+        (validation.consensus_bound). (global, momentum, bytes sent), or None."""
+        if self.follower:
+            return None
+        everyone = self.everyone()
+        members = self._committed.get((fragment, round_))
+        peers = {p: a for p, a in everyone.items() if members is None or p in members}
+        if not peers:
+            return None
+        values = torch.cat([self._flat(fragment, global_), self._flat(fragment, momentum)])
+        half = values.numel() // 2
+        try:
+            outcome, mean, _, metas, sent, _ = await self._round(
+                fragment + CONSENSUS, round_, peers, values, STALE_WEIGHT if stale else 1.0, "none", {"round": round_},
+                self.attempt_s(None, wait_s),
+            )
+        except PartError as e:
+            logger.warning("fragment %d consensus round %d: %s", fragment, round_, e)
+            return None
+        if not isinstance(outcome, sm.Commit):
+            logger.info("fragment %d consensus round %d: no round: %s", fragment, round_, outcome.reason)
+            return None
+        averaged = (self._split(fragment, mean[:half], global_), self._split(fragment, mean[half:], momentum))
+        agreed_norm, reference = tensors_norm(global_.values()), self.history[fragment].reference(0.0)
+        for phase, got, own, path in (("global", averaged[0], global_, apart[0]), ("momentum", averaged[1], momentum, apart[1])):
+            why = check_consensus(got, own, consensus_bound(agreed_norm, reference, path))
+            if why is None and any(self.reputation.is_banned(p, time.monotonic()) for p in metas):
+                why = "banned members"
+            if why is not None:
+                logger.warning("fragment %d consensus round %d (%s) rejected: %s", fragment, round_, phase, why)
+                return None
+        return averaged[0], averaged[1], sent

@@ -346,8 +346,12 @@ class DataPlane:
         async with conn.sending:
             out = memoryview(conn.scratch)[: len(payload) + wire.TAG_BYTES]
             conn.aead.encrypt_into(wire.nonce(frame, 0), payload, header, out)
-            await loop.sock_sendall(conn.sock, header)
-            await loop.sock_sendall(conn.sock, out)
+            try:
+                await loop.sock_sendall(conn.sock, header)
+                await loop.sock_sendall(conn.sock, out)
+            except BaseException:
+                self.drop(conn.peer)  # a frame cut short (cancelled, failed) would garble the stream
+                raise
         self.bytes_sent += len(header) + len(out)
 
     async def send_part(self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview) -> None:
