@@ -134,3 +134,47 @@ def test_a_consensus_round_gives_every_member_the_exact_mean_of_the_agreed_value
         assert torch.allclose(got[0][0][n], sum(s[0][n] for s in state) / 3, atol=1e-6)
         assert torch.allclose(got[0][1][n], sum(s[1][n] for s in state) / 3, atol=1e-6)
     assert got[0][2] > 0
+
+
+def test_a_joiner_downloads_a_fragments_state_from_the_first_donor_that_gives_it():
+    """Over libp2p (node/net/state.py): the furthest island first; a donor that has no state yet, or a
+    requester without the swarm key, gets nothing; the state arrives bit for bit."""
+    from islands.node.net.dht import SwarmDHT
+    from islands.node.net.state import StateBox
+
+    key = bytes(range(32))
+    dhts = []
+    try:
+        dhts.append(SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        for _ in range(2):
+            dhts.append(SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].visible_maddrs()))
+        donor, empty, joiner = dhts
+        state = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (_, s) in enumerate(SHAPES[1] * 2)]
+
+        async def scenario():
+            refused = []
+            boxes = []
+            for d, k in ((donor, key), (empty, key), (joiner, key), (joiner, None)):
+                boxes.append(StateBox(await d.dht.replicate_p2p(), "t", SHAPES, k, on_refused=refused.append))
+            giver, nothing, taker, stranger = boxes
+            giver.provider = lambda fragment: ({"peer_id": donor.peer_id, "step": 40, "round": 2}, state)
+            await giver.open()
+            await nothing.open()
+            try:
+                got = await taker.fetch([empty.peer_id, donor.peer_id], 1, timeout_s=20)
+                none = await stranger.fetch([donor.peer_id], 1, timeout_s=10)
+                wrong = await taker.fetch([donor.peer_id], 0, timeout_s=10)  # its tensors do not fit fragment 0
+                return got, none, wrong, refused
+            finally:
+                await giver.close()
+                await nothing.close()
+
+        got, none, wrong, refused = asyncio.run(scenario())
+        meta, tensors = got
+        assert meta["round"] == 2 and meta["peer_id"] == donor.peer_id
+        assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
+        assert none is None and wrong is None
+        assert any("no valid tag" in why for why in refused), refused
+    finally:
+        for d in reversed(dhts):
+            d.shutdown()
