@@ -25,6 +25,7 @@ from islands.models.transformer import MODEL_SIZES, ModelConfig, model_config
 from islands.protocols.admission import SwarmKeyError, load_swarm_key
 from islands.protocols.contact import parse_contact
 from islands.protocols.diloco import DiLoCoConfig
+from islands.protocols.records import parse_address
 
 ENV_PREFIX = "ISLANDS_"
 
@@ -159,8 +160,12 @@ class NetConfig:
             raise ValueError(f"rounds must be hivemind or direct, got {self.rounds!r}")
         for name in ("data_listen", "data_announce"):
             value = getattr(self, name)
-            host, sep, port = (value or "x:1").rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535 or (name == "data_announce" and int(port) == 0):
+            try:
+                _, port = parse_address(value or "x:1")  # data_announce may be unset
+                ok = port > 0 or name == "data_listen"  # listening on port 0 takes any free one
+            except ValueError:
+                ok = False
+            if not ok:
                 raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
         if self.swarm_key is not None:
             try:

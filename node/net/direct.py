@@ -36,6 +36,7 @@ from islands.protocols.validation import (
     check_consensus,
     check_update,
     consensus_bound,
+    flatten,
     member_report_bad,
     tensors_norm,
 )
@@ -157,7 +158,7 @@ class DirectRounds(RoundsBase):
         return out
 
     def _flat(self, fragment: int, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([values[n].detach().reshape(-1).to("cpu", torch.float32) for n in self.names[fragment]])
+        return flatten(values[n] for n in self.names[fragment])
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult:
         c = contribution

@@ -287,9 +287,7 @@ class DataPlane:
         round_, r, members = self._done[fragment]
         for a in r.handle(event, time.monotonic()):
             if isinstance(a, sm.SendCommitted) and a.to in members:
-                c = a.commit
-                payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
-                task = asyncio.ensure_future(self.send_small(a.to, members[a.to], wire.Kind.COMMITTED, fragment, round_, c.attempts, payload))
+                task = asyncio.ensure_future(self._send_committed(a, members[a.to], fragment, round_))
                 self._readers.add(task)
                 task.add_done_callback(self._readers.discard)
 
@@ -371,6 +369,11 @@ class DataPlane:
         frame = wire.Frame(kind, fragment, round_, attempt, 0, 1, len(payload), self.sid)
         await self._send(conns[0], frame, memoryview(payload))
 
+    async def _send_committed(self, a: sm.SendCommitted, address: tuple[str, int], fragment: int, round_: int) -> None:
+        c = a.commit
+        payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
+        await self.send_small(a.to, address, wire.Kind.COMMITTED, fragment, round_, c.attempts, payload)
+
     def drop(self, peer: str) -> None:
         """Forget the pool to `peer` (it is gone; the next round dials again)."""
         for c in self._out.pop(peer, []):
@@ -397,9 +400,7 @@ class DataPlane:
                 elif isinstance(a, sm.SendHave):
                     coro = self.send_small(a.to, members[a.to], wire.Kind.HAVE, fragment, round_, a.attempt, a.parts.encode())
                 elif isinstance(a, sm.SendCommitted):
-                    c = a.commit
-                    payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
-                    coro = self.send_small(a.to, members[a.to], wire.Kind.COMMITTED, fragment, round_, c.attempts, payload)
+                    coro = self._send_committed(a, members[a.to], fragment, round_)
                 else:
                     continue
                 task = asyncio.ensure_future(self._guarded(coro, a.to, inbox))
