@@ -1,5 +1,5 @@
-"""Averaging speed: our averaging paths (hivemind's averager, as the islands use it today; the project's own
-round protocol, not yet on the islands' data path) against torch.distributed gloo.
+"""Averaging speed: our averaging paths (hivemind's averager, `--rounds hivemind`; the project's own
+round protocol, the islands' data path by default) against torch.distributed gloo.
 
     python -m bench.allreduce --out bench/results/allreduce.json [--peers 2 3 4] [--sizes-mb 1 10 100]
 

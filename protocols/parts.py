@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
+import sys
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -29,10 +32,42 @@ from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
 CODECS = ("none", "fp16", "int8")
 _LEN = struct.Struct("!I")
 MAX_META_BYTES = 1 << 16
+REDUCE_BLOCK = 1 << 18
+"""Values reduced at a time: every part's slice of a block stays in cache while it is added (a
+multiple of the int8 codec's block and of torch's grain, so the results do not depend on it)."""
 
 
 class PartError(ValueError):
     """A part that does not decode: its member is dropped from the reduction's checks."""
+
+
+POOL_BYTES = 1 << 30
+"""Most bytes of buffers `new_buffer` keeps for reuse."""
+_pool: list[mmap.mmap] = []
+_pool_lock = threading.Lock()
+
+
+def new_buffer(n: int) -> memoryview:
+    """A writable buffer of `n` bytes for a part or a reduction. Fresh memory costs a page fault
+    per 4 KiB (~26 ms per 100 MB here, more than copying into it), so a buffer of which no view is
+    left (CPython's reference count tells) is reused for the next one of the same size: a round of
+    a fragment needs the same sizes as the one before. Up to `POOL_BYTES` are kept."""
+    if n == 0:
+        return memoryview(bytearray(0))
+    with _pool_lock:
+        for m in _pool:
+            if len(m) == n and sys.getrefcount(m) <= 3:  # the list, `m`, the argument: nobody else
+                return memoryview(m)
+        m = mmap.mmap(-1, n)
+        held = sum(len(x) for x in _pool)
+        for old in [x for x in _pool if sys.getrefcount(x) <= 3]:
+            if held + n <= POOL_BYTES:
+                break
+            _pool.remove(old)  # unmapped once nothing refers to it
+            held -= len(old)
+        if held + n <= POOL_BYTES:
+            _pool.append(m)
+        return memoryview(m)
 
 
 def part_bytes(numel: int, codec: str) -> int:
@@ -50,23 +85,27 @@ def _pad4(n: int) -> int:
     return n + (-n) % 4
 
 
-def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: Mapping | None = None) -> bytes:
-    """The part of a member with these flat `values` (any float dtype, any device) and `weight`."""
+def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: Mapping | None = None) -> memoryview:
+    """The part of a member with these flat `values` (any float dtype, any device) and `weight`,
+    written once into a new buffer (`new_buffer`)."""
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"a part's weight must be finite and >= 0, got {weight}")
-    flat = values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
+    flat = values.detach().reshape(-1)
     head = json.dumps({**(meta or {}), "weight": float(weight), "codec": codec, "numel": flat.numel()}).encode()
     head += b" " * ((-(len(head) + _LEN.size)) % 8)
-    if codec == "none":
-        body = flat.numpy().tobytes()
-    elif codec == "fp16":
-        body = flat.to(torch.float16).numpy().tobytes()
-    elif codec == "int8":
-        codes, scales = quantize_blockwise(flat)
-        body = codes.numpy().tobytes() + bytes((-codes.numel()) % 4) + scales.to(torch.float32).numpy().tobytes()
+    start = _LEN.size + len(head)
+    out = new_buffer(start + part_bytes(flat.numel(), codec))
+    out[:start] = _LEN.pack(len(head)) + head
+    body, n = out[start:], flat.numel()
+    if codec == "int8":
+        codes, scales = quantize_blockwise(flat.to("cpu", torch.float32))
+        _frombuffer(body[:n], torch.int8).copy_(codes)
+        _frombuffer(body[_pad4(n) :], torch.float32).copy_(scales)
     else:
-        raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
-    return _LEN.pack(len(head)) + head + body
+        _frombuffer(body, torch.float32 if codec == "none" else torch.float16).copy_(flat)
+    return out
 
 
 def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -75,8 +114,8 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
 
 
-def decode_part(data: bytes | bytearray | memoryview) -> tuple[dict, torch.Tensor]:
-    """(meta, the values as float32) of a part; PartError if it is malformed."""
+def _decode_meta(data: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
+    """(meta, the values' bytes) of a part; PartError if it is malformed."""
     view = memoryview(data).cast("B")
     if len(view) < _LEN.size:
         raise PartError("a part shorter than its header")
@@ -93,32 +132,61 @@ def decode_part(data: bytes | bytearray | memoryview) -> tuple[dict, torch.Tenso
     body = view[_LEN.size + n :]
     if len(body) != part_bytes(numel, codec):
         raise PartError(f"a part of {numel} values in {codec} is {part_bytes(numel, codec)} bytes, got {len(body)}")
+    return meta, body
+
+
+def _values(meta: dict, body: memoryview, start: int, stop: int) -> torch.Tensor:
+    """Values [start, stop) of a part as float32 (a view where the codec is float32); `start` a
+    multiple of the int8 codec's block."""
+    codec, numel = meta["codec"], int(meta["numel"])
     if codec == "none":
-        values = _frombuffer(body, torch.float32)
-    elif codec == "fp16":
-        values = _frombuffer(body, torch.float16).to(torch.float32)
-    else:
-        codes = _frombuffer(body[:numel], torch.int8)
-        scales = _frombuffer(body[_pad4(numel) :], torch.float32)
-        values = dequantize_blockwise(codes, scales)
-    return meta, values
+        return _frombuffer(body[4 * start : 4 * stop], torch.float32)
+    if codec == "fp16":
+        return _frombuffer(body[2 * start : 2 * stop], torch.float16).to(torch.float32)
+    codes = _frombuffer(body[start:stop], torch.int8)
+    at = _pad4(numel) + 4 * (start // BLOCK)
+    scales = _frombuffer(body[at : at + 4 * math.ceil((stop - start) / BLOCK)], torch.float32)
+    return dequantize_blockwise(codes, scales)
+
+
+def decode_part(data: bytes | bytearray | memoryview) -> tuple[dict, torch.Tensor]:
+    """(meta, the values as float32) of a part; PartError if it is malformed."""
+    meta, body = _decode_meta(data)
+    return meta, _values(meta, body, 0, int(meta["numel"]))
 
 
 def reduce_parts(order: Sequence[str], parts: Mapping[str, bytes | bytearray | memoryview]) -> tuple[torch.Tensor, float, dict[str, dict]]:
-    """The weighted mean of the members' parts, added in `order` in float32 — the same bits on every
+    """The weighted mean of the members' parts (each scaled by its share of the total weight),
+    added in `order` in float32 — the same bits on every
     member that holds the same parts (a committed round) — its total weight, and each member's meta
     with the norm of the values it sent added (`value_norm`, for the checks of validation.py).
-    PartError if a part is malformed or the parts differ in size."""
-    total, acc, metas = 0.0, None, {}
-    for peer in order:
-        meta, values = decode_part(parts[peer])
-        metas[peer] = {**meta, "value_norm": float(torch.linalg.vector_norm(values))}
-        if acc is None:
-            acc = torch.zeros(values.numel(), dtype=torch.float32)
-        if values.numel() != acc.numel():
-            raise PartError(f"{peer}'s part has {values.numel()} values, the others {acc.numel()}")
-        acc.add_(values, alpha=float(meta["weight"]))
-        total += float(meta["weight"])
-    if acc is None or total <= 0:
+    PartError if a part is malformed or the parts differ in size.
+
+    Block by block (`REDUCE_BLOCK` values): each block of every part is read once, while it is in
+    cache, into a new buffer; the operations on each value are the same as a whole-tensor loop's."""
+    decoded = [(peer, *_decode_meta(parts[peer])) for peer in order]
+    if not decoded:
         raise PartError("no parts, or no weight, to reduce")
-    return acc.div_(total), total, metas
+    numel = int(decoded[0][1]["numel"])
+    for peer, meta, _ in decoded:
+        if int(meta["numel"]) != numel:
+            raise PartError(f"{peer}'s part has {meta['numel']} values, the others {numel}")
+    weights = [float(meta["weight"]) for _, meta, _ in decoded]
+    total = sum(weights)
+    if total <= 0:
+        raise PartError("no parts, or no weight, to reduce")
+    shares = [w / total for w in weights]
+    out = _frombuffer(new_buffer(4 * numel), torch.float32)
+    squares = [0.0] * len(decoded)
+    for start in range(0, numel, REDUCE_BLOCK):
+        stop = min(numel, start + REDUCE_BLOCK)
+        acc = out[start:stop]
+        for i, (_, meta, body) in enumerate(decoded):
+            values = _values(meta, body, start, stop)
+            squares[i] += float(torch.dot(values, values))
+            if i == 0:
+                torch.mul(values, shares[0], out=acc)
+            else:
+                acc.add_(values, alpha=shares[i])
+    metas = {peer: {**meta, "value_norm": math.sqrt(sq)} for (peer, meta, _), sq in zip(decoded, squares, strict=True)}
+    return out, total, metas

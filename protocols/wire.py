@@ -20,7 +20,7 @@ VERSION = 1
 TAG_BYTES = 16
 HEADER = struct.Struct("!4sBBHHIIIQQ")
 HEADER_BYTES = HEADER.size
-NONCE = struct.Struct("!BHBII")
+NONCE = struct.Struct("!IQ")
 """direction and kind | fragment | attempt | round | chunk: 12 bytes."""
 MAX_CHUNK_BYTES = 64 << 20
 """A chunk larger than this is refused before its payload is read (bounded receive buffers)."""
@@ -98,14 +98,16 @@ def stripe(chunks: int, connections: int) -> list[list[int]]:
     return [list(range(c, chunks, connections)) for c in range(connections)]
 
 
-def nonce(frame: Frame, direction: int) -> bytes:
-    """The 12-byte AEAD nonce of a frame: unique per (kind, fragment, round, attempt, chunk, sender
-    direction) under one session key, so that a chunk replayed into another place fails its tag."""
+def nonce(sequence: int, direction: int) -> bytes:
+    """The 12-byte AEAD nonce of the `sequence`-th frame (from 0) one side sends on a connection:
+    never the same twice under one session key, even for a frame sent again (a `Committed` answer);
+    the receiver counts the frames it read, so a chunk replayed, dropped or moved fails its tag,
+    and the frame header (the associated data) binds the chunk to its place in the protocol."""
     if direction not in (0, 1):
         raise ValueError("direction is 0 (dialer to listener) or 1")
-    if frame.attempt > 255:
-        raise WireError(f"attempt {frame.attempt}: a round has at most 255")
-    return NONCE.pack(direction << 7 | int(frame.kind), frame.fragment, frame.attempt, frame.round, frame.chunk)
+    if not 0 <= sequence < 1 << 64:
+        raise WireError(f"frame {sequence}: a connection carries at most 2**64 frames")
+    return NONCE.pack(direction, sequence)
 
 
 # --- the handshake that opens a data connection ----------------------------------------------

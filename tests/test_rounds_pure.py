@@ -7,7 +7,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from islands.protocols.parts import PartError, decode_part, encode_part, part_bytes, reduce_parts
+from islands.protocols.parts import (
+    PartError,
+    decode_part,
+    encode_part,
+    new_buffer,
+    part_bytes,
+    reduce_parts,
+)
 from islands.protocols.records import IslandRecord, data_address, parse_address, round_peers
 from islands.protocols.rounds import (
     Abort,
@@ -267,7 +274,7 @@ def test_reduction_is_the_weighted_mean_in_a_fixed_order_whatever_order_the_part
 
 
 def test_malformed_parts_are_refused():
-    good = encode_part(torch.ones(10), 1.0)
+    good = bytes(encode_part(torch.ones(10), 1.0))
     with pytest.raises(ValueError):
         encode_part(torch.ones(10), float("nan"))
     for bad in (b"", good[:-4], good + b"xxxx", b"\x00\x00\x00\x02{}" + bytes(40), b"\xff\xff\xff\xff"):
@@ -305,11 +312,24 @@ def test_a_part_is_cut_into_chunks_striped_over_the_pool():
     assert sorted(c for conn in stripe(100, 8) for c in conn) == list(range(100))
 
 
-def test_every_chunk_has_its_own_nonce():
-    seen = set()
-    for kind in Kind:
-        for direction in (0, 1):
-            for attempt in (1, 2):
-                for chunk in range(4):
-                    seen.add(nonce(Frame(kind, 1, 7, attempt, chunk, 4, 0, 0), direction))
-    assert len(seen) == len(Kind) * 2 * 2 * 4 and all(len(n) == 12 for n in seen)
+def test_every_frame_on_a_connection_has_its_own_nonce():
+    seen = {nonce(sequence, direction) for direction in (0, 1) for sequence in (0, 1, 2, 1 << 40)}
+    assert len(seen) == 8 and all(len(n) == 12 for n in seen)
+    with pytest.raises(WireError):
+        nonce(1 << 64, 0)
+
+
+def test_a_parts_buffer_is_reused_only_once_nothing_refers_to_it():
+    def address(buffer) -> int:
+        return torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+
+    size = (1 << 20) + 8  # a size no other test asks for
+    first = new_buffer(size)
+    held = torch.frombuffer(first, dtype=torch.float32)[10:20]  # a view, as a reduced fragment's tensors are
+    a = address(first)
+    del first
+    second = new_buffer(size)
+    b = address(second)
+    assert b != a  # the first is still in use
+    del held, second
+    assert address(new_buffer(size)) in {a, b}  # both are free now: one is reused, no new memory

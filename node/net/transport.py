@@ -1,6 +1,6 @@
 """The round protocol's data plane (issue 17): direct TCP between islands, authenticated and encrypted.
 
-Not yet on the island's data path (rounds still go through hivemind's averager): `bench.allreduce`
+The data path of `--rounds direct` (node/net/direct.py); `bench.allreduce`
 measures it side by side, and `tests/test_transport.py` runs rounds over it.
 
 - Each island listens on one TCP port. To send to a peer it dials a pool of `pool` connections to
@@ -10,11 +10,11 @@ measures it side by side, and `tests/test_transport.py` runs rounds over it.
   a swarm key each also shows an HMAC of the transcript under a key derived from it, so a peer
   without the swarm key is refused, on both sides, before any data. The session key comes from an
   X25519 exchange in the hellos (HKDF, salted with the swarm key's derivation): every frame after
-  the handshake is AES-256-GCM with the frame header as associated data, and its nonce names the
-  frame's place in the protocol (wire.nonce): an altered or replayed chunk fails.
+  the handshake is AES-256-GCM with the frame header as associated data and the frame's number on
+  its connection as nonce (wire.nonce): an altered, replayed or dropped chunk fails.
 - A part (one member's contribution to a round) is cut into chunks striped over the pool; chunks
   are received with `recv_into` into a per-connection buffer and decrypted straight into the
-  part's buffer, allocated once per part.
+  part's buffer (`parts.new_buffer`: reused from one round of a fragment to the next).
 - `run_round` drives protocols/rounds.py's state machine with the frames and the clock.
 """
 
@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from islands.protocols import rounds as sm
 from islands.protocols import wire
 from islands.protocols.admission import derive
+from islands.protocols.parts import new_buffer
 
 from .signing import peer_id_of
 
@@ -79,6 +80,8 @@ class Conn:
     direction: int
     """0: this side dialed and sends; 1: it accepted and receives."""
     scratch: bytearray = dataclasses.field(default_factory=bytearray)
+    sequence: int = 0
+    """Frames this side sent (a dialer) or read (a listener) on it: the next frame's nonce."""
     sending: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     """One frame at a time: rounds of several fragments share the pool, and a frame is sealed in
     `scratch` and written whole before the next one."""
@@ -143,10 +146,15 @@ async def _handshake(
 
 @dataclasses.dataclass
 class _Part:
-    buf: bytearray
+    buf: memoryview
+    """`chunks` whole chunks long: chunk i lands at i * chunk_bytes, the last one is short."""
     chunks: int
     got: set[int] = dataclasses.field(default_factory=set)
     size: int = 0
+
+    @property
+    def view(self) -> memoryview:
+        return self.buf[: self.size]
 
 
 class _Inbox:
@@ -248,7 +256,8 @@ class DataPlane:
 
     def _take(self, conn: Conn, frame: wire.Frame, header: bytes, body: memoryview) -> None:
         """A frame arrived and passed its tag: file it under its round."""
-        nonce = wire.nonce(frame, 0)
+        nonce = wire.nonce(conn.sequence, 0)
+        conn.sequence += 1
         done = self._done.get(frame.fragment)
         if done is not None and frame.round <= done[0]:
             if frame.kind == wire.Kind.HAVE and frame.round == done[0]:
@@ -258,15 +267,14 @@ class DataPlane:
         if frame.kind == wire.Kind.PART:
             part = inbox.parts.get((conn.peer, frame.attempt))
             if part is None:
-                part = inbox.parts[(conn.peer, frame.attempt)] = _Part(bytearray(frame.chunks * self.chunk_bytes), frame.chunks)
+                part = inbox.parts[(conn.peer, frame.attempt)] = _Part(new_buffer(frame.chunks * self.chunk_bytes), frame.chunks)
             if frame.chunk in part.got or frame.chunks != part.chunks:
                 raise wire.WireError(f"chunk {frame.chunk} of {conn.peer}'s part came twice")
             at = frame.chunk * self.chunk_bytes
-            conn.aead.decrypt_into(nonce, body, header, memoryview(part.buf)[at : at + frame.length])
+            conn.aead.decrypt_into(nonce, body, header, part.buf[at : at + frame.length])
             part.got.add(frame.chunk)
             part.size += frame.length
             if len(part.got) == part.chunks:
-                del part.buf[part.size :]
                 inbox.events.put_nowait(sm.PartArrived(conn.peer, _digest(part.size), frame.attempt))
             return
         payload = conn.aead.decrypt(nonce, bytes(body), header)
@@ -343,7 +351,8 @@ class DataPlane:
         header = wire.encode_header(frame)
         async with conn.sending:
             out = memoryview(conn.scratch)[: len(payload) + wire.TAG_BYTES]
-            conn.aead.encrypt_into(wire.nonce(frame, 0), payload, header, out)
+            conn.aead.encrypt_into(wire.nonce(conn.sequence, 0), payload, header, out)
+            conn.sequence += 1
             try:
                 await loop.sock_sendall(conn.sock, header)
                 await loop.sock_sendall(conn.sock, out)
@@ -418,7 +427,7 @@ class DataPlane:
                 act(r.handle(event, clock()))
             if isinstance(r.outcome, sm.Commit):
                 await asyncio.gather(*sends, return_exceptions=True)  # a committed member still answers the others
-                parts = {p: (mine if p == self.me.peer_id else memoryview(inbox.parts[(p, 1)].buf)) for p in r.outcome.members}
+                parts = {p: (mine if p == self.me.peer_id else inbox.parts[(p, 1)].view) for p in r.outcome.members}
                 return r.outcome, parts
             return r.outcome, {}
         finally:
