@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import settings
 
-from .procs import NodeProcess
+from .procs import NodeProcess, split_rounds
 
 # property tests check what parsing does, not how fast: on 2 busy cores one example can take
 # longer than hypothesis's 200 ms deadline (seen once next to a running benchmark)
@@ -31,6 +31,8 @@ def nodes():
     yield start
     for node in started:
         node.stop()
+    splits = split_rounds(started)  # every multi-island test: no round of the own protocol split
+    assert not splits, "rounds that split:\n" + "\n".join(splits)
 
 
 def _p2pd_pids() -> set[int]:

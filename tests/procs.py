@@ -20,6 +20,7 @@ NODE = [sys.executable, "-m", "islands.node"]
 class NodeProcess:
     def __init__(self, args: list[str], run_dir: Path, env: dict | None = None, name: str = "node", command: list[str] = NODE):
         """`command`: what runs the node (tests.hostile for a poisoning peer); islands-node by default."""
+        self.command = command
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir / "events.jsonl"
@@ -112,6 +113,37 @@ class NodeProcess:
 
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.poll_events() if e["event"] == kind]
+
+
+def split_rounds(nodes: list[NodeProcess]) -> list[str]:
+    """Rounds of the own protocol that split among these nodes: for each round a node committed
+    (`sync` ok, with its members), every member that is one of these nodes and logged that round
+    must have logged it ok with the same members and digest (DESIGN: all or nothing). A restarted
+    node's events are its new peer id's from its `started` on."""
+    logged: dict[tuple[str, int, int], dict] = {}
+    for path in sorted({n.log_path for n in nodes if n.command == NODE}):  # a hostile peer's word does not count
+        if not path.exists():
+            continue
+        peer = None
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if e.get("event") == "started":
+                peer = e.get("peer_id")
+            elif e.get("event") == "sync" and peer is not None and e.get("round") is not None:
+                logged[(peer, e["fragment"], e["round"])] = e
+    splits = []
+    for (peer, fragment, round_), e in sorted(logged.items()):
+        if e.get("outcome") != "ok" or not e.get("members"):
+            continue
+        for member in e["members"]:
+            other = logged.get((member, fragment, round_))
+            if other is not None and (other.get("outcome"), other.get("digest"), other.get("members")) != ("ok", e["digest"], e["members"]):
+                splits.append(f"fragment {fragment} round {round_}: {peer} ok {e['digest']} with {len(e['members'])} members, "
+                              f"{member} {other.get('outcome')} {other.get('digest')}")
+    return splits
 
 
 class RelayProcess:

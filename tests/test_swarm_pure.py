@@ -1,5 +1,7 @@
 """Record parsing, shard choice, lateness, wire bytes and the fixed 8-bit codec."""
 
+import json
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -260,3 +262,21 @@ def test_views_over_the_records_of_the_other_islands():
     # a: 2 steps a second since its record at t=100; b: no pace yet, its step as recorded
     assert swarm_step(others.values(), now=103.0) == 46 and swarm_step(others.values(), now=101.0) == 44
     assert peer_progress([live["a"]], 0) == [(40, 40)] and peer_progress([live["a"]], 9) == [(40, -1)]
+
+
+def test_the_suites_split_check_finds_a_round_that_two_members_ended_differently(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.procs import NODE, split_rounds
+
+    def node(name, peer, syncs):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [{"event": "started", "peer_id": peer}, *({"event": "sync", **s} for s in syncs)]
+        path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+        return SimpleNamespace(log_path=path, command=NODE)
+
+    ok = {"fragment": 0, "round": 3, "outcome": "ok", "digest": "d1", "members": ["A", "B"]}
+    a, b = node("a", "A", [ok]), node("b", "B", [ok])
+    assert split_rounds([a, b]) == []
+    b = node("b", "B", [{**ok, "outcome": "failed", "digest": None, "members": None}])
+    assert split_rounds([a, b]) == ["fragment 0 round 3: A ok d1 with 2 members, B failed None"]

@@ -139,3 +139,82 @@ def test_a_chunk_altered_on_the_way_is_never_applied():
     assert isinstance(at_b[0], Fail) and at_b[1] == {}  # b never took a's altered part
     assert not isinstance(at_a[0], Commit)
     assert any("InvalidTag" in r for r in refusals), refusals
+
+
+def _victim(point: str, chunks: int, out, go) -> None:
+    """A member in its own process that SIGKILLs itself at `point` of its round."""
+    import os
+    import signal
+
+    from islands.protocols import wire
+
+    sent = {"part": 0, "have": 0}
+    original = DataPlane._send
+
+    async def send(self, conn, frame, payload):
+        if frame.kind == wire.Kind.PART and (point == "before its first part" or (point == "mid-transfer" and frame.chunk >= chunks // 2)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if frame.kind == wire.Kind.HAVE and point == "while committing" and sent["have"] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # one other member has its `have`, the other not
+        await original(self, conn, frame, payload)
+        sent["part" if frame.kind == wire.Kind.PART else "have"] += 1
+        if point == "after its last part" and sent["part"] == 2 * chunks:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    DataPlane._send = send
+
+    async def main():
+        plane = DataPlane(Identity.generate(), KEY, pool=2, chunk_bytes=256 << 10)
+        await plane.start()
+        out.put((plane.me.peer_id, plane.port))
+        members = await asyncio.to_thread(go.get, True, 60)
+        await plane.run_round(0, 1, members, encode_part(_values(2, 4_000_000), 1.0), attempt_s=ATTEMPT_S)
+
+    asyncio.run(main())
+
+
+ATTEMPT_S = 5.0
+
+
+@pytest.mark.parametrize("point", ["before its first part", "mid-transfer", "after its last part", "while committing"])
+def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_committed_round(point):
+    """SIGKILL of a member (a process of its own) at each point of a round: the other two commit
+    the same round (equal digests, members, bits) within the attempt's wait plus 2 s."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Queue()
+    numel = 4_000_000
+    chunks = -(-(numel * 4 + 64) // (256 << 10))
+    victim = ctx.Process(target=_victim, args=(point, chunks, out, go), daemon=True)
+    victim.start()
+    try:
+        peer, port = out.get(timeout=60)
+
+        async def main():
+            planes, members = await _planes(2, chunk_bytes=256 << 10)
+            members[peer] = ("127.0.0.1", port)
+            go.put(members)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                got = await asyncio.gather(*(
+                    p.run_round(0, 1, members, encode_part(_values(k, numel), 1.0), attempt_s=ATTEMPT_S) for k, p in enumerate(planes)
+                ))
+                return got, loop.time() - started
+            finally:
+                await asyncio.gather(*(p.close() for p in planes))
+
+        ((a, held_a), (b, held_b)), seconds = asyncio.run(main())
+        victim.join(10)
+        assert victim.exitcode == -9  # it was killed where the test says, not earlier or later
+        assert isinstance(a, Commit) and a == b, (a, b)  # one round: same members, same digest
+        if point != "while committing":  # it never said it held everything: the round went on without it
+            assert peer not in a.members and a.attempts == 2
+        assert torch.equal(reduce_parts(a.members, held_a)[0], reduce_parts(b.members, held_b)[0])
+        print(f"{point}: {len(a.members)} members, attempt {a.attempts}, {seconds:.2f} s")
+        assert seconds < ATTEMPT_S + 2
+    finally:
+        if victim.is_alive():
+            victim.kill()
+        victim.join(5)
