@@ -7,9 +7,12 @@ relay in front of a node and make the node announce the relay:
     islands-node --listen /ip4/127.0.0.1/tcp/4000 --announce /ip4/127.0.0.1/tcp/RELAY_PORT ...
 
 Everything that dials the node through its announced address then crosses the
-emulated link. Each direction of each connection has its own link: bytes leave
-at the capped rate, one after the other (`departure`), and arrive `delay_s`
-later. A relay with `--contact SPEC` forwards nothing out of contact (the bytes
+emulated link. The rate cap is the link's, per direction: the bytes of all its
+connections leave at the capped rate, one after the other in the order they
+came (`departure`), and arrive `delay_s` later. With `--window-kb`, a
+connection has at most that many bytes in flight until their acknowledgement
+is back (one round trip after they left), as a TCP connection with that window
+has: one connection then moves at most window / round trip. A relay with `--contact SPEC` forwards nothing out of contact (the bytes
 wait, as on a link that is down); SIGSTOP and SIGCONT of the relay make a
 partition and heal it.
 """
@@ -45,8 +48,12 @@ class LinkProfile:
     """Cap per direction; None: no cap."""
     contact: str | None = None
     """Contact windows (satellite links), as --contact takes them."""
+    window_bytes: int | None = None
+    """Bytes a connection may have in flight per direction (a TCP window); None: no limit."""
 
     def __post_init__(self):
+        if self.window_bytes is not None and self.window_bytes <= 0:
+            raise ValueError(f"window must be > 0, got {self.window_bytes}")
         if self.delay_s < 0:
             raise ValueError(f"delay must be >= 0, got {self.delay_s}")
         if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
@@ -94,6 +101,8 @@ class Relay:
         self.connections = 0
         self.bytes = {"to_node": 0, "from_node": 0}
         """Bytes forwarded each way (what the emulated link carried)."""
+        self._last: dict[tuple[int, str], float] = {}
+        """(link, direction) -> when its last byte queued so far leaves: the cap is shared."""
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -133,8 +142,16 @@ class Relay:
     ) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
-        delay_s, rate = profile.delay_s, profile.rate_bytes_per_s
+        delay_s, rate, window = profile.delay_s, profile.rate_bytes_per_s, profile.window_bytes
         size = chunk_bytes(rate)
+        link = (id(profile), direction)
+        in_flight = 0
+        acked = asyncio.Event()
+
+        def ack(n: int) -> None:
+            nonlocal in_flight
+            in_flight -= n
+            acked.set()
 
         async def send() -> None:
             while True:
@@ -148,17 +165,25 @@ class Relay:
                 writer.write(data)
                 await writer.drain()
                 self.bytes[direction] += len(data)
+                if window is not None:
+                    loop.call_later(delay_s, ack, len(data))  # the acknowledgement's way back
 
         sender = asyncio.ensure_future(send())
-        last = 0.0
         try:
             while True:
                 await self._open(contact)
-                data = await reader.read(size)
+                n = size
+                if window is not None:
+                    while in_flight >= window:
+                        acked.clear()
+                        await acked.wait()
+                    n = min(size, window - in_flight)
+                data = await reader.read(n)
                 if not data:
                     break
-                last = departure(loop.time(), len(data), last, rate)
-                await queue.put((last + delay_s, data))
+                in_flight += len(data)
+                self._last[link] = departure(loop.time(), len(data), self._last.get(link, 0.0), rate)
+                await queue.put((self._last[link] + delay_s, data))
         except (ConnectionError, OSError):
             pass
         finally:
@@ -195,6 +220,7 @@ def _profile(args: argparse.Namespace) -> LinkProfile:
         delay_s=base.delay_s if args.delay_ms is None else args.delay_ms / 1000,
         rate_bytes_per_s=rate,
         contact=args.contact if args.contact is not None else base.contact,
+        window_bytes=None if args.window_kb is None else args.window_kb * 1024,
     )
 
 
@@ -212,7 +238,13 @@ def main(argv: Sequence[str], prog: str = "islands-node") -> int:
         f"{n}: {p.delay_s * 1000:g} ms one way, {'no cap' if p.rate_bytes_per_s is None else f'{p.rate_bytes_per_s * 8 / 1e6:g} Mbit/s'}"
         + (f", {p.contact}" if p.contact else "") for n, p in PROFILES.items()))
     parser.add_argument("--delay-ms", type=float, metavar="MS", help="one-way delay instead of the profile's")
-    parser.add_argument("--rate-mbit", type=float, metavar="MBIT", help="rate cap per direction instead of the profile's (0: none)")
+    parser.add_argument(
+        "--rate-mbit", type=float, metavar="MBIT", help="rate cap per direction instead of the profile's (0: none), shared by the link's connections",
+    )
+    parser.add_argument(
+        "--window-kb", type=int, metavar="KB", help="a connection's TCP window: at most this much in flight until acknowledged "
+        "(one round trip later), so one connection moves at most window / round trip (default: no limit)",
+    )
     parser.add_argument("--contact", metavar="SPEC", help="forward only in these windows, e.g. 'up 10s every 30s'")
     parser.add_argument(
         "--from", dest="by_source", type=_source_profile, action="append", default=[], metavar="SOURCE_IP=PROFILE",

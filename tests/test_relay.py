@@ -91,6 +91,51 @@ async def test_rate_cap_per_direction():
     assert 2_000_000 / seconds == pytest.approx(rate, rel=0.10), seconds
 
 
+async def _send_through(profile: LinkProfile, sizes: list[int]) -> list[float]:
+    """Send `sizes` bytes over that many connections through one relay at once: the seconds until
+    each arrived whole."""
+    done: dict[int, float] = {}
+
+    async def sink(reader, writer):
+        total, tag = 0, (await reader.readexactly(1))[0]
+        while data := await reader.read(65536):
+            total += len(data)
+            if total >= sizes[tag] - 1:
+                done[tag] = time.monotonic()
+        writer.close()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    relay, relay_port = await _relay(server.sockets[0].getsockname()[1], profile)
+    writers = [(await asyncio.open_connection("127.0.0.1", relay_port))[1] for _ in sizes]
+    started = time.monotonic()
+    for tag, (w, n) in enumerate(zip(writers, sizes, strict=True)):
+        w.write(bytes([tag]) + b"x" * (n - 1))
+    for _ in range(1000):
+        if len(done) == len(sizes):
+            break
+        await asyncio.sleep(0.01)
+    for w in writers:
+        w.close()
+    await relay.close()
+    server.close()
+    return [done[k] - started for k in range(len(sizes))]
+
+
+async def test_the_links_connections_share_its_rate_cap():
+    rate = 8e6 / 8
+    seconds = await _send_through(LinkProfile(delay_s=0.02, rate_bytes_per_s=rate), [1_000_000, 1_000_000])
+    assert max(seconds) - 0.02 == pytest.approx(2_000_000 / rate, rel=0.10), seconds  # not twice the cap
+
+
+async def test_a_connections_window_bounds_it_to_a_window_per_round_trip():
+    window, delay = 100_000, 0.05  # 100 kB per 100 ms round trip: 1 MB/s, far under the link's cap
+    profile = LinkProfile(delay_s=delay, rate_bytes_per_s=100e6, window_bytes=window)
+    (one,) = await _send_through(profile, [1_000_000])
+    assert one == pytest.approx(1_000_000 / (window / (2 * delay)), rel=0.15), one
+    two = await _send_through(profile, [1_000_000, 1_000_000])
+    assert max(two) == pytest.approx(one, rel=0.15), two  # two connections: twice the bytes in the same time
+
+
 def test_relay_command_refuses_bad_input(capsys):
     from islands.node.cli import main
 
