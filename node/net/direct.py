@@ -137,15 +137,14 @@ class DirectRounds(RoundsBase):
         meta: dict, attempt_s: float,
     ) -> tuple[sm.Commit | sm.Fail, torch.Tensor | None, float, dict[str, dict], int, int]:
         """One round of the protocol: (outcome, the reduced values, their total weight, each member's
-        meta, bytes sent, bytes received); PartError from a part that does not decode."""
+        meta, bytes sent, bytes received on the wire); PartError from a part that does not decode."""
         part = await asyncio.to_thread(encode_part, values, weight, codec, meta)
         outcome, parts = await self.plane.run_round(
             channel, round_, {**peers, self.me: ("", 0)}, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS,
         )
+        sent, recv = self.plane.round_bytes(channel, round_)
         if not isinstance(outcome, sm.Commit):
-            return outcome, None, 0.0, {}, 0, 0
-        sent = len(part) * (len(outcome.members) - 1)
-        recv = sum(len(parts[p]) for p in outcome.members if p != self.me)
+            return outcome, None, 0.0, {}, sent, recv
         mean, total, metas = await asyncio.to_thread(reduce_parts, outcome.members, parts)
         return outcome, mean, total, metas, sent, recv
 
@@ -185,7 +184,7 @@ class DirectRounds(RoundsBase):
         seconds = time.monotonic() - started
         if not isinstance(outcome, sm.Commit):
             logger.info("fragment %d round %d: no round: %s", c.fragment, c.round, outcome.reason)
-            return dataclasses.replace(own, seconds=seconds, attempts=outcome.attempts)
+            return dataclasses.replace(own, seconds=seconds, attempts=outcome.attempts, bytes_sent=sent, bytes_recv=recv)
         self._committed[(c.fragment, c.round)] = outcome.members
         for key in [k for k in self._committed if k[0] == c.fragment and k[1] < c.round - 2]:
             del self._committed[key]

@@ -178,6 +178,8 @@ class DataPlane:
         self.sid = wire.sender_id(identity.peer_id)
         self.bytes_sent = 0
         self.bytes_recv = 0
+        self._round_bytes: dict[tuple[int, int], list[int]] = {}
+        """(fragment, round) -> [bytes sent, bytes received] on the wire for it (`round_bytes`)."""
         self._out: dict[str, list[Conn]] = {}
         self._addresses: dict[str, tuple[str, int]] = {}
         self._done: dict[int, tuple[int, sm.Round, Mapping[str, tuple[str, int]]]] = {}
@@ -244,6 +246,7 @@ class DataPlane:
                 body = memoryview(conn.scratch)[: frame.length + wire.TAG_BYTES]
                 await _recv_into(loop, sock, body)
                 self.bytes_recv += wire.HEADER_BYTES + len(body)
+                self._round_bytes.setdefault((frame.fragment, frame.round), [0, 0])[1] += wire.HEADER_BYTES + len(body)
                 self._take(conn, frame, bytes(header), body)
         except (ConnectionError, OSError, wire.WireError, InvalidTag) as e:
             if peer is not None:
@@ -360,6 +363,7 @@ class DataPlane:
                 self.drop(conn.peer)  # a frame cut short (cancelled, failed) would garble the stream
                 raise
         self.bytes_sent += len(header) + len(out)
+        self._round_bytes.setdefault((frame.fragment, frame.round), [0, 0])[0] += len(header) + len(out)
 
     async def send_part(self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview) -> None:
         conns = await self._conns(peer, address)
@@ -382,6 +386,12 @@ class DataPlane:
         c = a.commit
         payload = json.dumps({"members": list(c.members), "parts": c.parts, "attempts": c.attempts}).encode()
         await self.send_small(a.to, address, wire.Kind.COMMITTED, fragment, round_, c.attempts, payload)
+
+    def round_bytes(self, fragment: int, round_: int) -> tuple[int, int]:
+        """(sent, received): the bytes of round (fragment, round_)'s frames on the wire (headers,
+        chunks, tags; every attempt) so far; read once its round ended."""
+        sent, recv = self._round_bytes.pop((fragment, round_), (0, 0))
+        return sent, recv
 
     def drop(self, peer: str) -> None:
         """Forget the pool to `peer` (it is gone; the next round dials again)."""
@@ -442,6 +452,8 @@ class DataPlane:
             self._done[fragment] = (round_, r, dict(members))
         for key in [k for k in self._inboxes if k[0] == fragment and k[1] <= round_]:
             del self._inboxes[key]
+        for key in [k for k in self._round_bytes if k[0] == fragment and k[1] < round_]:
+            del self._round_bytes[key]  # late frames of rounds nobody asks about any more
 
     async def _guarded(self, coro, peer: str, inbox: _Inbox) -> None:
         try:
