@@ -25,7 +25,7 @@ from islands.models.transformer import MODEL_SIZES, ModelConfig, model_config
 from islands.protocols.admission import SwarmKeyError, load_swarm_key
 from islands.protocols.contact import parse_contact
 from islands.protocols.diloco import DiLoCoConfig
-from islands.protocols.records import parse_address
+from islands.protocols.records import P2P_ADDRESS, parse_address
 
 ENV_PREFIX = "ISLANDS_"
 
@@ -126,7 +126,8 @@ class NetConfig:
     data_listen: str = _opt("0.0.0.0:0", "with --rounds direct: HOST:PORT the round transport listens on (port 0: any free one)", metavar="HOST:PORT")
     data_announce: str | None = _opt(
         None, "with --rounds direct: HOST:PORT the other islands dial for rounds (default: the listen port at this "
-        "node's first announced or visible IPv4 address)", metavar="HOST:PORT",
+        "node's first announced or visible IPv4 address), or p2p for an island that cannot be dialled (behind NAT): "
+        "the others then reach its rounds over libp2p streams, and it listens on no port of its own", metavar="HOST:PORT|p2p",
     )
     metrics_port: int | None = _opt(None, "serve Prometheus metrics at http://METRICS_HOST:N/metrics (0: any free port, logged)", metavar="N")
     metrics_host: str = _opt("127.0.0.1", "address the metrics endpoint listens on (0.0.0.0 for a remote Prometheus)", metavar="ADDR")
@@ -160,13 +161,15 @@ class NetConfig:
             raise ValueError(f"rounds must be hivemind or direct, got {self.rounds!r}")
         for name in ("data_listen", "data_announce"):
             value = getattr(self, name)
+            if name == "data_announce" and value == P2P_ADDRESS:
+                continue
             try:
                 _, port = parse_address(value or "x:1")  # data_announce may be unset
                 ok = port > 0 or name == "data_listen"  # listening on port 0 takes any free one
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
+                raise ValueError(f"{name} must be HOST:PORT{' or p2p' if name == 'data_announce' else ''}, got {value!r}")
         if self.swarm_key is not None:
             try:
                 load_swarm_key(self.swarm_key)

@@ -22,6 +22,7 @@ from islands.node.net.transport import DataPlane, Identity
 from islands.protocols.admission import SwarmKeyError, key_file_exposed, load_swarm_key
 from islands.protocols.manifest import describe_differences, manifest_differences
 from islands.protocols.records import (
+    P2P_ADDRESS,
     REFRESH_S,
     IslandRecord,
     arrival_s,
@@ -204,10 +205,15 @@ class Network:
         if not self.role.satellite:
             key, peer_id = load_identity(self.identity_path)
             plane = self.plane = DataPlane(Identity(key._private_key, peer_id), swarm_key, on_refused=self.refusals)
-            host, port = parse_address(net.data_listen)
-            port = await plane.start(host, port)
-            self.data_address = net.data_announce or data_address(host, port, [*net.announce, *self.maddrs()])
-            logger.info("rounds: direct transport on %s:%d, announced as %s", host, port, self.data_address)
+            await plane.reach(await self.dht.dht.replicate_p2p(), f"{self.dht.namespace}::rounds")
+            if net.data_announce == P2P_ADDRESS:
+                self.data_address = P2P_ADDRESS
+                logger.info("rounds: over libp2p streams only (--data-announce p2p)")
+            else:
+                host, port = parse_address(net.data_listen)
+                port = await plane.start(host, port)
+                self.data_address = net.data_announce or data_address(host, port, [*net.announce, *self.maddrs()])
+                logger.info("rounds: direct transport on %s:%d, announced as %s", host, port, self.data_address)
         self.rounds = DirectRounds(
             plane, self.dht.namespace, self.shapes, self.cfg.diloco.compression, self.timeouts,
             members=lambda fragment, step: round_peers(self.peer_id, self.live(), fragment, step, self.cfg.diloco.tau),

@@ -42,7 +42,8 @@ class IslandRecord:
     """At the end of a run (FragmentSync.agree): {"check": n, "fp": one fingerprint per fragment of
     its agreed values} after its n-th look, so that every island decides alike which fragments to heal."""
     data: str | None = None
-    """"HOST:PORT" of the island's round transport (node/net/transport.py; `--rounds direct`)."""
+    """"HOST:PORT" of the island's round transport (node/net/transport.py; `--rounds direct`), or
+    P2P_ADDRESS for one reached over libp2p streams."""
 
     def to_value(self) -> dict:
         value = dataclasses.asdict(self)
@@ -217,6 +218,11 @@ def final_fingerprints(
     return [f["fp"] for f in posted.values()], [p for p in peers if p in live and p not in posted]
 
 
+P2P_ADDRESS = "p2p"
+"""The `data` of an island that cannot be dialled: its rounds' connections are libp2p streams to its
+peer id."""
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """("host", port) of "HOST:PORT" (an IPv6 host in brackets); ValueError if it is not one."""
     host, sep, port = text.rpartition(":")
@@ -238,9 +244,13 @@ def data_address(host: str, port: int, maddrs: Sequence[str]) -> str:
 
 
 def transport_addresses(me: str, live: Mapping[str, IslandRecord]) -> dict[str, tuple[str, int]]:
-    """The round transport's address of each other live, training island that publishes one."""
+    """The round transport's address of each other live, training island that publishes one
+    ((P2P_ADDRESS, 0) for one reached over libp2p streams)."""
     out = {}
     for p, r in other_islands(me, live).items():
+        if r.data == P2P_ADDRESS:
+            out[p] = (P2P_ADDRESS, 0)
+            continue
         try:
             host, port = parse_address(r.data or "")
         except ValueError:

@@ -88,6 +88,8 @@ def test_bad_config_files_name_the_field(tmp_path, toml, message):
         ({"run_id": "a b"}, "run_id must be"),
         ({"parallel": "zero3"}, "expected one of ddp, fsdp"),
         ({"parallel": "fsdp", "inner_opt": "shampoo"}, "parallel fsdp works with inner_opt adamw only"),
+        ({"data_announce": "nat"}, "data_announce must be HOST:PORT or p2p, got 'nat'"),
+        ({"data_listen": "p2p"}, "data_listen must be HOST:PORT, got 'p2p'"),
     ],
 )
 def test_bad_values_name_the_option(values, message):

@@ -231,8 +231,9 @@ def test_round_peers_are_the_live_islands_that_have_not_applied_the_round_yet():
         "satellite": _record("satellite", 40, role="satellite"),
         "starting": _record("starting", 0, state="starting"),
         "bad address": _record("bad address", 40, data="nowhere"),
+        "behind nat": _record("behind nat", 40, data="p2p"),  # reached over libp2p streams
     }
-    assert round_peers("me", live, 0, 40, 5) == {"behind": ("10.0.0.2", 7000), "inside": ("::1", 7001)}
+    assert round_peers("me", live, 0, 40, 5) == {"behind": ("10.0.0.2", 7000), "inside": ("::1", 7001), "behind nat": ("p2p", 0)}
     assert round_peers("me", live, 1, 40, 5)["applied"] == ("127.0.0.1", 9000)  # that was fragment 0's round
 
 

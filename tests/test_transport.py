@@ -218,3 +218,40 @@ def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_commit
         if victim.is_alive():
             victim.kill()
         victim.join(5)
+
+
+def test_an_island_that_cannot_be_dialled_takes_part_over_libp2p_streams(tmp_path):
+    """Island c listens on no port (`--data-announce p2p`): a and b reach it over libp2p streams to
+    its peer id, c dials them over TCP, and the round commits with the same bits everywhere."""
+    from hivemind.p2p import P2P
+    from islands.node.net.signing import load_identity
+    from islands.protocols.records import P2P_ADDRESS
+
+    async def main():
+        p2ps, planes = [], []
+        try:
+            for name in "abc":
+                key, peer = load_identity(tmp_path / f"{name}.key")
+                initial = [] if not p2ps else await p2ps[0].get_visible_maddrs()
+                p2p = await P2P.create(identity_path=str(tmp_path / f"{name}.key"), host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial)
+                assert p2p.peer_id.to_base58() == peer
+                plane = DataPlane(Identity(key._private_key, peer), KEY, pool=2, chunk_bytes=1 << 20)
+                await plane.reach(p2p, "test::rounds")
+                if name != "c":
+                    await plane.start()
+                p2ps.append(p2p)
+                planes.append(plane)
+            members = {p.me.peer_id: ("127.0.0.1", p.port) for p in planes[:2]}
+            members[planes[2].me.peer_id] = (P2P_ADDRESS, 0)
+            parts = [encode_part(_values(k), 1.0) for k in range(3)]
+            got = await asyncio.wait_for(
+                asyncio.gather(*(p.run_round(0, 1, members, parts[k], attempt_s=20) for k, p in enumerate(planes))), 60,
+            )
+            return [(o, reduce_parts(sorted(held), held)[0]) for o, held in got]
+        finally:
+            await asyncio.gather(*(p.close() for p in planes), return_exceptions=True)
+            await asyncio.gather(*(p.shutdown() for p in p2ps), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(o, Commit) and len(o.members) == 3 and o.attempts == 1 for o, _ in results), results
+    assert all(torch.equal(results[0][1], mean) for _, mean in results[1:])

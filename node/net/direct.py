@@ -13,7 +13,8 @@ A consensus round (the agreed values and momentum themselves, when the members' 
 differ) is a round of the same protocol among the same members, on its own channel (the fragment
 number + CONSENSUS in the frame), in fp32. The state a joiner, a rebasing member or a satellite
 downloads comes over libp2p (state.py), like the satellites' deposits (deposit.py): a peer that
-cannot be dialled can still dial.
+cannot be dialled can still dial. An island that cannot be dialled takes part in rounds over
+libp2p streams (`--data-announce p2p`, DataPlane.reach).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ measures it side by side, and `tests/test_transport.py` runs rounds over it.
   are received with `recv_into` into a per-connection buffer and decrypted straight into the
   part's buffer (`parts.new_buffer`: reused from one round of a fragment to the next).
 - `run_round` drives protocols/rounds.py's state machine with the frames and the clock.
+- Reach: an island that cannot be dialled (behind NAT) publishes `p2p` as its address
+  (records.P2P_ADDRESS); the others open its connections as libp2p streams to its peer id (`reach`)
+  and speak the same protocol over them: each stream is bridged to one end of a socket pair, so the
+  frames, the handshake and the AEAD are the same as over TCP. One stream a peer (libp2p
+  multiplexes them over one connection); it costs a copy through the p2p daemon each way.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from islands.protocols import rounds as sm
 from islands.protocols import wire
 from islands.protocols.admission import derive
 from islands.protocols.parts import new_buffer
+from islands.protocols.records import P2P_ADDRESS
 
 from .signing import peer_id_of
 
@@ -192,6 +198,8 @@ class DataPlane:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self.port = 0
+        self._p2p = None
+        self._stream_name = ""
 
     # --- connections ----------------------------------------------------------------------------
 
@@ -205,7 +213,52 @@ class DataPlane:
         self._accepting = asyncio.ensure_future(self._accept_loop())
         return self.port
 
+    async def reach(self, p2p, name: str) -> None:
+        """Take data connections as libp2p streams of `p2p` (a hivemind P2P) named `name` too, and
+        dial peers that publish P2P_ADDRESS that way."""
+        self._p2p, self._stream_name = p2p, name
+        await p2p.add_binary_stream_handler(name, self._on_stream)
+
+    async def _on_stream(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(self._bridge(reader, writer))
+
+    def _bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> socket.socket:
+        """One end of a socket pair whose other end is pumped to and from a libp2p stream."""
+        loop = asyncio.get_running_loop()
+        mine, theirs = socket.socketpair()
+        for sock in (mine, theirs):
+            sock.setblocking(False)
+
+        async def up() -> None:
+            while data := await reader.read(1 << 16):
+                await loop.sock_sendall(theirs, data)
+            theirs.shutdown(socket.SHUT_WR)
+
+        async def down() -> None:
+            while data := await loop.sock_recv(theirs, 1 << 16):
+                writer.write(data)
+                await writer.drain()
+
+        async def pump() -> None:
+            try:
+                await asyncio.gather(up(), down())
+            except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                theirs.close()
+                writer.close()
+
+        task = asyncio.ensure_future(pump())
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+        return mine
+
     async def close(self) -> None:
+        if self._p2p is not None:
+            try:
+                await self._p2p.remove_binary_stream_handler(self._stream_name)
+            except Exception as e:  # noqa: BLE001 - the daemon may be gone already
+                logger.debug("removing the rounds' stream handler: %r", e)
         if self._accepting is not None:
             self._accepting.cancel()
         for t in list(self._readers):
@@ -322,21 +375,38 @@ class DataPlane:
 
     async def _dial_pool(self, peer: str, address: tuple[str, int]) -> list[Conn]:
         loop = asyncio.get_running_loop()
+        over_p2p = address[0] == P2P_ADDRESS
+        if over_p2p and self._p2p is None:
+            raise Refused(f"{peer} is reached over libp2p, and this transport has no p2p (reach)")
+        pool = 1 if over_p2p else self.pool
 
-        async def one(index: int) -> Conn:
+        async def connect() -> socket.socket:
+            if over_p2p:
+                from hivemind.p2p import PeerID
+
+                _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._stream_name)
+                return self._bridge(reader, writer)
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, address), HANDSHAKE_S)
+                await loop.sock_connect(sock, address)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+        async def one(index: int) -> Conn:
+            sock = await asyncio.wait_for(connect(), HANDSHAKE_S)
+            try:
                 return await asyncio.wait_for(
-                    _handshake(loop, sock, self.me, self.swarm_key, dialer=True, expect=peer, index=index, pool=self.pool), HANDSHAKE_S,
+                    _handshake(loop, sock, self.me, self.swarm_key, dialer=True, expect=peer, index=index, pool=pool), HANDSHAKE_S,
                 )
             except BaseException:
                 sock.close()
                 raise
 
-        conns = await asyncio.gather(*(one(i) for i in range(self.pool)), return_exceptions=True)
+        conns = await asyncio.gather(*(one(i) for i in range(pool)), return_exceptions=True)
         bad = [c for c in conns if isinstance(c, BaseException)]
         if bad:
             for c in conns:
