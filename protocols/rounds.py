@@ -16,9 +16,11 @@ the round fails (each applies its own update alone, as today). A member that die
 a retrying one's `have` with what it committed, and the other, which holds the same parts (it
 said so), commits the same (`Committed`). A member lost after this one said `have` is asked
 again once, over a new connection, before it is dropped (a broken connection is not a dead
-member): if it committed, its answer makes this one commit too. What can still split a round is
-a member that commits on a `have` that came after its sender gave up at its deadline; the
-fingerprints of the agreed values (consensus.py) catch that, as they catch a partition.
+member), and so is one still silent at the deadline after this one said `have`, with one more
+attempt's time to answer (its own `have` may be late behind a busy event loop): if it committed,
+its answer makes this one commit too. What can still split a round is a member that commits on
+a `have` whose sender had given up on it even after asking again; the fingerprints of the
+agreed values (consensus.py) catch that, as they catch a partition.
 
 Parts as bytes, and their reduction: protocols/parts.py.
 
@@ -221,6 +223,13 @@ class Round:
             ]
             if not silent:  # a `have` that disagrees: the others' view of the members will settle it
                 silent = [p for p in self.members if p != self.me]
+            unasked = [p for p in silent if p not in self.asked] if self.sent_have else []
+            if unasked:
+                # they may have committed on this member's `have`, their own still on its way (a busy
+                # member): ask them again, and wait one more attempt's time before dropping them
+                self.asked.update(unasked)
+                self.deadline = now + self.attempt_s
+                return [SendHave(p, self.have[self.me][1], self.attempt) for p in unasked]
             return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
         raise TypeError(f"unknown event {event!r}")
 

@@ -122,12 +122,16 @@ def test_a_member_killed_at_any_point_leaves_the_others_a_committed_round_withou
         assert any(isinstance(x, Abort) and x.dropped == ("c",) for x in net.log["a"])
 
 
-def test_a_silent_member_is_dropped_at_the_deadline_and_the_round_retries_at_once():
+def test_a_silent_member_is_asked_again_at_the_deadline_then_dropped_and_the_round_retries_at_once():
     net = Net(["a", "b", "c"])
-    net.dead.add("c")  # frozen: no message from it, no connection closed either
+    net.dead.add("c")  # frozen after it sent its part: no `have` from it, no connection closed either
     net.run()
     assert not any(r.done for n, r in net.rounds.items() if n != "c")
     net.now = ATTEMPT_S + 0.1
+    for n in "ab":  # it may have committed on their `have`s: they ask it again and wait once more
+        asked = net.rounds[n].handle(Tick(), net.now)
+        assert [(type(x), x.to) for x in asked] == [(SendHave, "c")] and not net.rounds[n].done
+    net.now = 2 * ATTEMPT_S + 0.2
     for n in "ab":
         net._send(n, net.rounds[n].handle(Tick(), net.now))
     net.run()
@@ -135,6 +139,22 @@ def test_a_silent_member_is_dropped_at_the_deadline_and_the_round_retries_at_onc
         abort = [x for x in net.log[n] if isinstance(x, Abort)]
         assert abort[0].dropped == ("c",) and abort[0].members == ("a", "b") and abort[0].attempt == 2
         assert net.rounds[n].outcome == Commit(("a", "b"), parts_digest({"a": "d-a", "b": "d-b"}, "ab"), 2)
+
+
+def test_a_member_whose_have_comes_late_after_the_other_committed_commits_the_same():
+    net = Net(["a", "b"])
+    while net.inbox:  # every part and every `have` arrives, except b's `have` to a: late behind b's busy loop
+        i = next((k for k, (to, e) in enumerate(net.inbox) if not (to == "a" and isinstance(e, HaveAll))), None)
+        if i is None:
+            late = net.inbox.pop()
+            break
+        net.deliver(i)
+    assert isinstance(net.rounds["b"].outcome, Commit) and not net.rounds["a"].done
+    net.now = ATTEMPT_S + 0.1
+    net._send("a", net.rounds["a"].handle(Tick(), net.now))  # asks b again instead of dropping it
+    net.run()
+    assert net.rounds["a"].outcome == net.rounds["b"].outcome  # b answered with what it committed
+    assert late[1].peer == "b"
 
 
 def test_alone_or_out_of_attempts_the_round_fails():

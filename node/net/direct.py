@@ -128,10 +128,11 @@ class DirectRounds(RoundsBase):
 
     def attempt_s(self, step: int | None, wait_s: float | None) -> float:
         """How long an attempt waits for a silent member: the match wait, or longer for an island
-        still training towards the round's step (bounded), plus a part's transfer."""
+        still training towards the round's step (bounded), plus a part's transfer. At most the
+        attempts and one more wait (a silent member asked again: rounds.py) fit in the round's time."""
         t = self.timeouts
         behind = 0.0 if step is None else min(t.max_match_wait_s, t.match_wait_s + self.arrival(step))
-        return min(max(wait_s or 0.0, t.match_wait_s, behind) + t.next_chunk_s, t.round_s / MAX_ATTEMPTS - 1.0)
+        return min(max(wait_s or 0.0, t.match_wait_s, behind) + t.next_chunk_s, t.round_s / (MAX_ATTEMPTS + 1) - 1.0)
 
     async def _round(
         self, channel: int, round_: int, peers: dict[str, tuple[str, int]], values: torch.Tensor, weight: float, codec: str,
