@@ -529,7 +529,10 @@ class DataPlane:
         try:
             await coro
         except (TimeoutError, ConnectionError, OSError, Refused) as e:
-            logger.info("sending to %s failed: %r", peer, e)
+            if isinstance(e, Refused):  # it failed the handshake: say so, as the listener does
+                self.on_refused(f"a data connection to {peer}: {e}")
+            else:
+                logger.info("sending to %s failed: %r", peer, e)
             self.drop(peer)
             inbox.events.put_nowait(sm.PeerGone(peer))
 
