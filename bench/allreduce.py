@@ -105,14 +105,24 @@ def _gloo_peer(rank: int, peers: int, sizes_mb: list[float], rounds: int, port: 
         dist.destroy_process_group()
 
 
+DIRECT = ("direct", "direct-keyed", "direct-int8", "direct-gather", "direct-scatter")
+
+
 def _direct_peer(
     rank: int, peers: int, sizes_mb: list[float], rounds: int, addresses, barrier, results, swarm_key: bytes | None, codec: str, name: str,
+    scatter: bool | None = None,
 ) -> None:
     """The project's own round protocol (node/net/transport.py: direct TCP, a pool of connections,
-    AES-GCM), each member's part (in `codec`) sent once to every other member and reduced in a fixed order."""
+    AES-GCM): each member's part (in `codec`) sent once to every other member and reduced in a fixed
+    order (an all-gather), or cut in slices that one member each reduces (a reduce-scatter);
+    `scatter` None: as the node chooses (rounds.uses_scatter)."""
     import torch
     from islands.node.net.transport import DataPlane, Identity
-    from islands.protocols.parts import encode_part, reduce_parts
+    from islands.protocols.parts import assemble, encode_part, encode_slices, reduce_parts
+    from islands.protocols.rounds import uses_scatter
+
+    if scatter is None:
+        scatter = uses_scatter(peers, codec)
 
     torch.set_num_threads(1)
 
@@ -133,9 +143,19 @@ def _direct_peer(
                 for r in range(rounds):
                     await asyncio.to_thread(barrier.wait, 120)
                     started = time.perf_counter()
-                    outcome, parts = await plane.run_round(f, f * 1000 + r, members, encode_part(x, 1.0, codec), attempt_s=60.0)
-                    mean, _, _ = reduce_parts(sorted(parts), parts) if parts else (None, 0, {})
-                    seconds = time.perf_counter() - started
+                    if scatter:
+                        def cut(order, x=x):
+                            return encode_slices(x, 1.0, codec, {}, order)
+
+                        outcome, parts = await plane.run_round(f, f * 1000 + r, members, None, attempt_s=60.0, cut=cut)
+                        combine = assemble
+                    else:
+                        outcome, parts = await plane.run_round(f, f * 1000 + r, members, encode_part(x, 1.0, codec), attempt_s=60.0)
+                        combine = reduce_parts
+                    mean, _, _ = (await asyncio.to_thread(combine, sorted(parts), parts)) if parts else (None, 0, {})
+                    seconds = time.perf_counter() - started  # a reduce-scatter's slices are read in place, not joined
+                    if isinstance(mean, list):
+                        mean = torch.cat(mean)
                     error = None
                     if f == 0 and r == 0 and mean is not None:
                         exact = sum(_tensor(k, x.numel()) for k in range(peers)) / peers
@@ -155,12 +175,13 @@ def _run(backend: str, peers: int, sizes_mb: list[float], rounds: int, timeout_s
     if backend == "hivemind":
         maddrs, barrier = ctx.Queue(), ctx.Barrier(peers)
         procs = [ctx.Process(target=_hivemind_peer, args=(k, peers, sizes_mb, rounds, part_size_bytes, maddrs, barrier, results)) for k in range(peers)]
-    elif backend in ("direct", "direct-keyed", "direct-int8"):
+    elif backend in DIRECT:
         addresses, barrier = [ctx.Queue() for _ in range(peers)], ctx.Barrier(peers)
-        key = b"bench-swarm-key-0123456789abcdef" if backend != "direct" else None
+        key = b"bench-swarm-key-0123456789abcdef" if backend in ("direct-keyed", "direct-int8") else None
         codec = "int8" if backend == "direct-int8" else "none"
+        scatter = {"direct-gather": False, "direct-scatter": True}.get(backend)
         procs = [
-            ctx.Process(target=_direct_peer, args=(k, peers, sizes_mb, rounds, addresses, barrier, results, key, codec, backend))
+            ctx.Process(target=_direct_peer, args=(k, peers, sizes_mb, rounds, addresses, barrier, results, key, codec, backend, scatter))
             for k in range(peers)
         ]
     else:
@@ -222,7 +243,8 @@ def main() -> None:
     p.add_argument("--part-kb", type=int, default=PART_SIZE_BYTES // 1024, help="hivemind's part size (KiB)")
     p.add_argument("--backends", nargs="+", default=["gloo", "hivemind", "direct", "direct-keyed"],
                    help="gloo; hivemind (the averager the islands use today); direct (the project's own round protocol, issue 17), "
-                        "direct-keyed (the same with a swarm key), direct-int8 (keyed, each part in blockwise int8: --compression int8)")
+                        "direct-keyed (the same with a swarm key), direct-int8 (keyed, each part in blockwise int8: --compression int8); "
+                        "direct chooses an all-gather or a reduce-scatter as the node does: direct-gather and direct-scatter force one")
     args = p.parse_args()
     rows: list[dict] = []
     for peers in args.peers:
@@ -238,19 +260,24 @@ def main() -> None:
             h, g = by.get(("hivemind", peers, mb)), by.get(("gloo", peers, mb))
             d, k = by.get(("direct", peers, mb)), by.get(("direct-keyed", peers, mb))
             q = by.get(("direct-int8", peers, mb))
+            ag, rs = by.get(("direct-gather", peers, mb)), by.get(("direct-scatter", peers, mb))
             line = {"peers": peers, "megabytes": mb, "hivemind_seconds": h and h["seconds_median"], "gloo_seconds": g and g["seconds_median"],
                     "ratio": h and g and round(h["seconds_median"] / g["seconds_median"], 2),
                     "hivemind_rounds_complete": h and h["rounds_complete"], "hivemind_max_error": h and h["max_error"],
                     "direct_seconds": d and d["seconds_median"], "direct_keyed_seconds": k and k["seconds_median"],
                     "direct_ratio": d and g and round(d["seconds_median"] / g["seconds_median"], 2),
                     "direct_max_error": d and d["max_error"], "direct_int8_seconds": q and q["seconds_median"],
-                    "direct_int8_max_error": q and q["max_error"]}
+                    "direct_int8_max_error": q and q["max_error"],
+                    "direct_gather_seconds": ag and ag["seconds_median"], "direct_scatter_seconds": rs and rs["seconds_median"],
+                    "direct_scatter_max_error": rs and rs["max_error"]}
             lines.append(line)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     print(table([[str(x["peers"]), f"{x['megabytes']:g}", fmt(x["hivemind_seconds"], ".3f"), fmt(x["direct_seconds"], ".3f"),
-                  fmt(x["direct_keyed_seconds"], ".3f"), fmt(x["direct_int8_seconds"], ".3f"), fmt(x["gloo_seconds"], ".3f"),
+                  fmt(x["direct_keyed_seconds"], ".3f"), fmt(x["direct_int8_seconds"], ".3f"), fmt(x["direct_gather_seconds"], ".3f"),
+                  fmt(x["direct_scatter_seconds"], ".3f"), fmt(x["gloo_seconds"], ".3f"),
                   fmt(x["ratio"], ".1f"), fmt(x["direct_ratio"], ".2f")] for x in lines],
-                ["peers", "MB", "hivemind s", "direct s", "direct, swarm key s", "direct, int8 s", "gloo s", "hivemind/gloo", "direct/gloo"]))
+                ["peers", "MB", "hivemind s", "direct s", "direct, swarm key s", "direct, int8 s", "all-gather s", "reduce-scatter s",
+                 "gloo s", "hivemind/gloo", "direct/gloo"]))
     head = next((x for x in lines if x["megabytes"] == max(args.sizes_mb) and x["peers"] == min(args.peers)), lines[-1])
     figures = {
         "hivemind_seconds": head["hivemind_seconds"], "gloo_seconds": head["gloo_seconds"], "ratio": head["ratio"],

@@ -164,6 +164,14 @@ def reduce_parts(order: Sequence[str], parts: Mapping[str, bytes | bytearray | m
 
     Block by block (`REDUCE_BLOCK` values): each block of every part is read once, while it is in
     cache, into a new buffer; the operations on each value are the same as a whole-tensor loop's."""
+    out, total, metas, squares = _reduce(order, parts)
+    for peer, sq in squares.items():
+        metas[peer]["value_norm"] = math.sqrt(sq)
+    return out, total, metas
+
+
+def _reduce(order: Sequence[str], parts: Mapping[str, bytes | bytearray | memoryview]) -> tuple[torch.Tensor, float, dict[str, dict], dict[str, float]]:
+    """reduce_parts' mean, total weight and metas, and each part's sum of squares."""
     decoded = [(peer, *_decode_meta(parts[peer])) for peer in order]
     if not decoded:
         raise PartError("no parts, or no weight, to reduce")
@@ -188,5 +196,91 @@ def reduce_parts(order: Sequence[str], parts: Mapping[str, bytes | bytearray | m
                 torch.mul(values, shares[0], out=acc)
             else:
                 acc.add_(values, alpha=shares[i])
-    metas = {peer: {**meta, "value_norm": math.sqrt(sq)} for (peer, meta, _), sq in zip(decoded, squares, strict=True)}
-    return out, total, metas
+    metas = {peer: dict(meta) for peer, meta, _ in decoded}
+    return out, total, metas, {peer: sq for (peer, _, _), sq in zip(decoded, squares, strict=True)}
+
+
+# --- a round as a reduce-scatter (rounds.ScatterRound) ------------------------------------------
+
+
+def slice_bounds(numel: int, members: int) -> list[tuple[int, int]]:
+    """[start, stop) of each member's slice of `numel` values: nearly equal, every boundary a
+    multiple of the int8 codec's block (so a slice quantizes as its own part)."""
+    if members < 1:
+        raise ValueError(f"members must be >= 1, got {members}")
+    blocks = math.ceil(numel / BLOCK)
+    edges = [min(numel, (blocks * i // members) * BLOCK) for i in range(members + 1)]
+    edges[-1] = numel
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def encode_slices(
+    values: torch.Tensor, weight: float, codec: str, meta: Mapping | None, members: Sequence[str],
+) -> dict[str, memoryview]:
+    """A member's part cut for a reduce-scatter among `members` (in reduction order): member i's slice
+    is values[slice_bounds(...)[i]], encoded as a part of its own whose meta says which slice of
+    which members it is (`reduce_slice` checks)."""
+    flat = values.detach().reshape(-1)
+    layout = {"members": list(members), "numel_all": flat.numel()}
+    return {
+        m: encode_part(flat[a:b], weight, codec, {**(meta or {}), **layout, "slice": i})
+        for i, (m, (a, b)) in enumerate(zip(members, slice_bounds(flat.numel(), len(members)), strict=True))
+    }
+
+
+def reduce_slice(order: Sequence[str], me: str, pieces: Mapping[str, bytes | bytearray | memoryview]) -> memoryview:
+    """`me`'s reduced slice: the weighted mean of the members' slices of `me`'s share (reduce_parts),
+    as a float32 part whose meta carries the total weight, every member's meta and the sum of
+    squares of the slice each sent (`assemble` makes the norms from them). A piece that does not
+    decode or was cut for other members gives a slice that says so: every member then rejects the
+    round alike."""
+    order = list(order)
+    try:
+        for peer in order:
+            meta, _ = _decode_meta(pieces[peer])
+            if meta.get("members") != order or meta.get("slice") != order.index(me):
+                raise PartError(f"{peer}'s slice was cut for {meta.get('members')} (slice {meta.get('slice')})")
+        out, total, metas, squares = _reduce(order, pieces)
+    except PartError as e:
+        return encode_part(torch.empty(0), 0.0, "none", {"error": str(e)})
+    for m in metas.values():
+        for key in ("members", "slice", "numel_all", "numel"):
+            m.pop(key, None)
+    return encode_part(out, total, "none", {"metas": metas, "squares": squares})
+
+
+def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memoryview]) -> tuple[list[torch.Tensor], float, dict[str, dict]]:
+    """reduce_parts' result from the reduced slices of a committed ScatterRound (one per member, in
+    `order`): the slices' values as segments to be read end to end (views of the slices, not
+    copied: `take`), the total weight, each member's meta (from the first slice: the same on every
+    member) with `value_norm` summed over the slices. PartError if a slice says a piece was bad, or
+    the slices do not fit together."""
+    decoded = [(peer, *_decode_meta(slices[peer])) for peer in order]
+    for peer, meta, _ in decoded:
+        if "error" in meta:
+            raise PartError(f"{peer}'s slice: {meta['error']}")
+        if meta["codec"] != "none" or set(meta.get("squares", {})) != set(order):
+            raise PartError(f"{peer}'s reduced slice is not one of {list(order)}")
+    segments = [_values(meta, body, 0, int(meta["numel"])) for _, meta, body in decoded]
+    first = decoded[0][1]
+    metas = {
+        peer: {**first["metas"][peer], "value_norm": math.sqrt(sum(float(m["squares"][peer]) for _, m, _ in decoded))}
+        for peer in order
+    }
+    return segments, float(first["weight"]), metas
+
+
+def take(segments: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """Values [start, stop) of `segments` read end to end: a view where they lie in one segment,
+    else a copy of the pieces."""
+    pieces, at = [], 0
+    for seg in segments:
+        end = at + seg.numel()
+        if end > start and at < stop:
+            pieces.append(seg[max(start, at) - at : min(stop, end) - at])
+        at = end
+    if at < stop or start < 0 or stop < start:
+        raise IndexError(f"values [{start}, {stop}) of {at}")
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty(0)

@@ -22,11 +22,20 @@ its answer makes this one commit too. What can still split a round is a member t
 a `have` whose sender had given up on it even after asking again; the fingerprints of the
 agreed values (consensus.py) catch that, as they catch a partition.
 
+With more members an all-gather moves (n - 1) parts in and out of every member and makes each
+reduce n whole parts; `ScatterRound` is the same protocol as a reduce-scatter and an all-gather of
+the reduced slices: each member's part is cut into one slice per member (`parts.slice_bounds`),
+member i receives every member's slice i, reduces it (fp32, fixed order) and sends the result to
+the others. Each value is still encoded once by its owner, and each slice is reduced by one member
+only, so the members that commit hold the same bits. `have` then means "I hold every member's
+reduced slice", and its digest names them; an attempt's slices depend on its members, so a retry
+cuts and sends them again. `uses_scatter` chooses (measured: bench/README.md).
+
 Parts as bytes, and their reduction: protocols/parts.py.
 
-Events in: `PartArrived`, `HaveAll`, `Committed`, `PeerGone`, `Tick`. Actions out: `SendPart`,
-`SendHave`, `SendCommitted`, `Commit`, `Abort`, `Fail`. Time comes in as an argument (`now`);
-nothing here does I/O.
+Events in: `PartArrived`, `SliceArrived`, `Reduced`, `HaveAll`, `Committed`, `PeerGone`, `Tick`.
+Actions out: `SendPart`, `Reduce`, `SendSlice`, `SendHave`, `SendCommitted`, `Commit`, `Abort`,
+`Fail`. Time comes in as an argument (`now`); nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -45,6 +54,23 @@ class PartArrived:
     peer: str
     digest: str
     attempt: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceArrived:
+    """`peer`'s reduced slice of `attempt` arrived whole (a ScatterRound)."""
+
+    peer: str
+    digest: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """This member reduced its slice of `attempt` (a ScatterRound); `digest` names the result."""
+
+    digest: str
+    attempt: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +104,33 @@ class Tick:
     """Time passed (a deadline may have)."""
 
 
-Event = PartArrived | HaveAll | Committed | PeerGone | Tick
+Event = PartArrived | SliceArrived | Reduced | HaveAll | Committed | PeerGone | Tick
 
 # --- actions --------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class SendPart:
+    """Send this member's part to `to` (a ScatterRound: its slice of `attempt`'s members' layout)."""
+
     to: str
+    attempt: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduce:
+    """Reduce the members' slices of this member's share, in `members`' order; report `Reduced`."""
+
+    members: tuple[str, ...]
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SendSlice:
+    """Send this member's reduced slice of `attempt` to `to`."""
+
+    to: str
+    attempt: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +175,7 @@ class Fail:
     attempts: int
 
 
-Action = SendPart | SendHave | SendCommitted | Commit | Abort | Fail
+Action = SendPart | Reduce | SendSlice | SendHave | SendCommitted | Commit | Abort | Fail
 
 
 # --- pure helpers ---------------------------------------------------------------------------
@@ -219,7 +264,7 @@ class Round:
             holds_all = self._holds_all()
             silent = [
                 p for p in self.members
-                if p != self.me and (p not in self.parts or (holds_all and self.have.get(p, (0, ""))[0] != self.attempt))
+                if p != self.me and (self._lacks(p) or (holds_all and self.have.get(p, (0, ""))[0] != self.attempt))
             ]
             if not silent:  # a `have` that disagrees: the others' view of the members will settle it
                 silent = [p for p in self.members if p != self.me]
@@ -233,15 +278,23 @@ class Round:
             return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
         raise TypeError(f"unknown event {event!r}")
 
-    def _holds_all(self) -> bool:
-        return all(p in self.parts for p in self.members)
+    def _held_at(self, attempt: int) -> Mapping[str, str]:
+        """What the `have` of `attempt` names: each member's part (any attempt: a part does not change)."""
+        return self.parts
 
+    def _lacks(self, peer: str) -> bool:
+        """Whether this member still waits for something of `peer`'s in this attempt."""
+        return peer not in self.parts
+
+    def _holds_all(self) -> bool:
+        held = self._held_at(self.attempt)
+        return all(p in held for p in self.members)
 
     def _progress(self) -> list[Action]:
         actions: list[Action] = []
         if not self._holds_all():
             return actions
-        mine = parts_digest(self.parts, self.members)
+        mine = parts_digest(self._held_at(self.attempt), self.members)
         if not self.sent_have:
             self.sent_have = True
             self.have[self.me] = (self.attempt, mine)
@@ -254,9 +307,10 @@ class Round:
     def _adopt(self, event: Committed) -> list[Action]:
         """Another member committed while this one was retrying (a member died after every `have` was
         sent): it holds every part of that set too (it said so), so it commits the same."""
-        if event.peer not in self.members or any(m not in self.parts for m in event.members):
+        held = self._held_at(event.attempts)
+        if event.peer not in self.members or any(m not in held for m in event.members):
             return []
-        if parts_digest(self.parts, event.members) != event.parts:
+        if parts_digest(held, event.members) != event.parts:
             return []
         self.outcome = Commit(event.members, event.parts, event.attempts)
         return [self.outcome]
@@ -279,3 +333,76 @@ class Round:
     def _fail(self, reason: str) -> list[Action]:
         self.outcome = Fail(reason, self.attempt)
         return [self.outcome]
+
+
+SCATTER_FROM = 3
+"""Members from which an uncompressed round is a reduce-scatter (bench/README.md, 100 MB: 0.27 s
+against an all-gather's 0.41 s at 3 islands, 0.43 against 0.70 at 4; at 2 islands both move one
+part each way and take the same time, and the all-gather is the simpler round)."""
+
+
+def uses_scatter(members: int, codec: str) -> bool:
+    """Whether a round of `members` islands with parts in `codec` runs as a `ScatterRound`: a
+    compressed part would need its reduced slices sent in fp32 (or quantized a second time), so
+    compressed rounds stay all-gathers."""
+    return codec == "none" and members >= SCATTER_FROM
+
+
+class ScatterRound(Round):
+    """One member's view of a round run as a reduce-scatter and an all-gather of the reduced slices:
+    `SendPart(to, attempt)` sends `to`'s slice of this member's part (cut for that attempt's
+    members), `Reduce` asks for this member's slice to be reduced once every member's arrived,
+    `SendSlice` sends the result to the others; `have` names every member's reduced slice."""
+
+    def __init__(self, me: str, members: Iterable[str], now: float, attempt_s: float, max_attempts: int = 3):
+        super().__init__(me, members, "", now, attempt_s, max_attempts)
+        self.parts = {}
+        self.pieces: dict[int, dict[str, str]] = {1: {me: "own"}}
+        """attempt -> member -> its slice (of this member's share) that arrived."""
+        self.slices: dict[int, dict[str, str]] = {}
+        """attempt -> member -> its reduced slice that arrived (this member's own once reduced)."""
+        self.reducing: set[int] = set()
+
+    def _held_at(self, attempt: int) -> Mapping[str, str]:
+        return self.slices.get(attempt, {})
+
+    def _lacks(self, peer: str) -> bool:
+        return peer not in self.pieces.get(self.attempt, {}) or peer not in self.slices.get(self.attempt, {})
+
+    def start(self) -> list[Action]:
+        if len(self.members) < 2:
+            return self._fail("no other member")
+        return [SendPart(p, 1) for p in self.members if p != self.me]
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if self.done or not isinstance(event, PartArrived | SliceArrived | Reduced):
+            return super().handle(event, now)
+        if event.attempt < self.attempt:
+            return []  # of an attempt this member left
+        if isinstance(event, Reduced):
+            self.slices.setdefault(event.attempt, {})[self.me] = event.digest
+            sends: list[Action] = [SendSlice(p, event.attempt) for p in self.members if p != self.me]
+            return sends + self._progress()
+        if event.peer not in self.members or event.peer == self.me:
+            return []
+        held = (self.pieces if isinstance(event, PartArrived) else self.slices).setdefault(event.attempt, {})
+        if event.peer in held:
+            return []  # a duplicate
+        held[event.peer] = event.digest
+        return self._progress()
+
+    def _progress(self) -> list[Action]:
+        actions: list[Action] = []
+        pieces = self.pieces.get(self.attempt, {})
+        if self.attempt not in self.reducing and all(p in pieces for p in self.members):
+            self.reducing.add(self.attempt)
+            actions.append(Reduce(self.members, self.attempt))
+        return actions + super()._progress()
+
+    def _retry(self, dropped: list[str], reason: str, now: float) -> list[Action]:
+        self.pieces.setdefault(self.attempt + 1, {})[self.me] = "own"
+        actions = super()._retry(dropped, reason, now)
+        if self.done:
+            return actions
+        # the slices depend on the members: cut and send them again
+        return [actions[0], *(SendPart(p, self.attempt) for p in self.members if p != self.me), *actions[1:]]

@@ -30,6 +30,7 @@ class Kind(enum.IntEnum):
     PART = 1  # a chunk of a member's part
     HAVE = 2  # "I hold every part": the payload is the parts digest
     COMMITTED = 3  # "I committed": the payload names the members and the parts digest
+    SLICE = 4  # a chunk of a member's reduced slice (a reduce-scatter round: rounds.ScatterRound)
 
 
 class WireError(ValueError):

@@ -44,28 +44,36 @@ async def _close(planes):
     await asyncio.gather(*(p.close() for p in planes))
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_every_island_applies_the_same_token_weighted_mean(compression):
+@pytest.mark.parametrize(("islands", "compression"), [(2, "none"), (3, "int8"), (3, "none"), (4, "none")])
+def test_every_island_applies_the_same_token_weighted_mean(islands, compression):
+    """2 islands, or compressed parts: an all-gather; 3 or more in fp32: a reduce-scatter
+    (rounds.uses_scatter)."""
     async def main():
-        planes, rounds = await _islands(3, compression)
+        planes, rounds = await _islands(islands, compression)
         try:
-            cs = [_contribution(k) for k in range(3)]
+            cs = [_contribution(k) for k in range(islands)]
             return planes, cs, await asyncio.gather(*(r.average(c) for r, c in zip(rounds, cs, strict=True)))
         finally:
             await _close(planes)
 
     planes, cs, results = asyncio.run(main())
-    assert [r.outcome for r in results] == ["ok"] * 3
-    assert all(r.group_size == 3 and r.weight == 600.0 and not r.consensus and r.attempts == 1 for r in results)
+    total = sum(c.weight for c in cs)
+    assert [r.outcome for r in results] == ["ok"] * islands
+    assert all(r.group_size == islands and r.weight == total and not r.consensus and r.attempts == 1 for r in results)
     assert len({r.digest for r in results}) == 1 and results[0].members == sorted(p.me.peer_id for p in planes)
     for n in results[0].delta:
         assert all(torch.equal(results[0].delta[n], r.delta[n]) for r in results[1:])  # bit-identical
-        expected = sum(c.weight * c.delta[n] for c in cs) / 600.0
+        expected = sum(c.weight * c.delta[n] for c in cs) / total
         assert torch.allclose(results[0].delta[n], expected, atol=1e-6 if compression == "none" else 0.05)
-    # on the wire, counted by the transport: each island sends its part to the two others, with its
-    # meta, frame headers, tags and `have`s
+    # on the wire, counted by the transport, with metas, frame headers, tags and `have`s: an
+    # all-gather sends the part to each other island; a reduce-scatter sends n - 1 of its n slices
+    # and its reduced slice (fp32) to the n - 1 others: 2 (n - 1) / n parts
     values = part_bytes(64 * 32 + 32, compression)
-    assert all(values < r.bytes_sent / 2 < values + 512 and values < r.bytes_recv / 2 < values + 512 for r in results)
+    scatter = islands > 2 and compression == "none"
+    parts = 2 * (islands - 1) / islands if scatter else islands - 1
+    meta = 6144 if scatter else 512  # each reduced slice carries every member's meta
+    assert all(parts * values < r.bytes_sent < parts * values + meta for r in results), [r.bytes_sent for r in results]
+    assert all(parts * values < r.bytes_recv < parts * values + meta for r in results)
 
 
 def test_a_member_that_is_gone_is_left_out_and_the_others_still_average():
@@ -82,13 +90,15 @@ def test_a_member_that_is_gone_is_left_out_and_the_others_still_average():
     assert torch.equal(results[0].delta["w"], results[1].delta["w"])
 
 
-def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned():
+@pytest.mark.parametrize(("islands", "compression"), [(3, "int8"), (3, "none"), (4, "none")])
+def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned(islands, compression):
+    """In a reduce-scatter (fp32) each member's norm is summed from the slices' owners."""
     async def main():
-        planes, rounds = await _islands(3)
+        planes, rounds = await _islands(islands, compression)
         try:
             outcomes = []
             for r in range(1, 5):
-                cs = [_contribution(k, round_=r, scale=1e4 if k == 2 else 1.0) for k in range(3)]
+                cs = [_contribution(k, round_=r, scale=1e4 if k == 2 else 1.0) for k in range(islands)]
                 got = await asyncio.gather(*(x.average(c) for x, c in zip(rounds, cs, strict=True)))
                 outcomes.append([g.outcome for g in got])
             return planes, rounds, outcomes, cs, got
@@ -118,13 +128,14 @@ def test_alone_the_round_is_solo_and_with_nobody_left_in_it_failed():
     assert (solo.outcome, failed.outcome) == ("solo", "failed")
 
 
-def test_a_consensus_round_gives_every_member_the_exact_mean_of_the_agreed_values_and_momentum():
+@pytest.mark.parametrize("islands", [3, 4])
+def test_a_consensus_round_gives_every_member_the_exact_mean_of_the_agreed_values_and_momentum(islands):
     async def main():
-        planes, rounds = await _islands(3)
+        planes, rounds = await _islands(islands)
         try:
             base = _contribution(99).delta  # agreed values a little apart (a round that split, a partition)
-            near = [{n: base[n] + 0.01 * d for n, d in _contribution(k).delta.items()} for k in range(6)]
-            state = [(near[k], near[k + 3]) for k in range(3)]
+            near = [{n: base[n] + 0.01 * d for n, d in _contribution(k).delta.items()} for k in range(2 * islands)]
+            state = [(near[k], near[k + islands]) for k in range(islands)]
             got = await asyncio.gather(*(r.consensus(0, 5, g, m) for r, (g, m) in zip(rounds, state, strict=True)))
             return state, got
         finally:
@@ -134,8 +145,8 @@ def test_a_consensus_round_gives_every_member_the_exact_mean_of_the_agreed_value
     assert all(g is not None for g in got)
     for n in ("w", "b"):
         assert all(torch.equal(got[0][0][n], g[0][n]) and torch.equal(got[0][1][n], g[1][n]) for g in got[1:])
-        assert torch.allclose(got[0][0][n], sum(s[0][n] for s in state) / 3, atol=1e-6)
-        assert torch.allclose(got[0][1][n], sum(s[1][n] for s in state) / 3, atol=1e-6)
+        assert torch.allclose(got[0][0][n], sum(s[0][n] for s in state) / islands, atol=1e-6)
+        assert torch.allclose(got[0][1][n], sum(s[1][n] for s in state) / islands, atol=1e-6)
     assert got[0][2] > 0
 
 

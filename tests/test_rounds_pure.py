@@ -7,13 +7,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from islands.protocols.compression import BLOCK
 from islands.protocols.parts import (
     PartError,
+    assemble,
     decode_part,
     encode_part,
+    encode_slices,
     new_buffer,
     part_bytes,
     reduce_parts,
+    reduce_slice,
+    slice_bounds,
+    take,
 )
 from islands.protocols.records import IslandRecord, data_address, parse_address, round_peers
 from islands.protocols.rounds import (
@@ -24,12 +30,18 @@ from islands.protocols.rounds import (
     HaveAll,
     PartArrived,
     PeerGone,
+    Reduce,
+    Reduced,
     Round,
+    ScatterRound,
     SendCommitted,
     SendHave,
     SendPart,
+    SendSlice,
+    SliceArrived,
     Tick,
     parts_digest,
+    uses_scatter,
 )
 from islands.protocols.wire import (
     HEADER_BYTES,
@@ -50,9 +62,12 @@ ATTEMPT_S = 2.0
 class Net:
     """Members of one round exchanging messages in an order the test picks; `dead` members say nothing."""
 
-    def __init__(self, names, now=0.0):
+    def __init__(self, names, now=0.0, scatter=False):
         self.now = now
-        self.rounds = {n: Round(n, names, f"d-{n}", now, ATTEMPT_S) for n in names}
+        if scatter:
+            self.rounds = {n: ScatterRound(n, names, now, ATTEMPT_S) for n in names}
+        else:
+            self.rounds = {n: Round(n, names, f"d-{n}", now, ATTEMPT_S) for n in names}
         self.inbox: list[tuple[str, object]] = []
         self.dead: set[str] = set()
         self.killed: set[str] = set()
@@ -67,7 +82,11 @@ class Net:
             if getattr(a, "to", None) in self.dead and a.to in self.killed:
                 self.inbox.append((sender, PeerGone(a.to)))  # the transport cannot reach it: its send fails
             elif isinstance(a, SendPart):
-                self.inbox.append((a.to, PartArrived(sender, f"d-{sender}")))
+                self.inbox.append((a.to, PartArrived(sender, f"d-{sender}", a.attempt)))
+            elif isinstance(a, Reduce):  # the reduction ends later, like a message to itself
+                self.inbox.append((sender, Reduced(f"r-{sender}-{a.attempt}", a.attempt)))
+            elif isinstance(a, SendSlice):
+                self.inbox.append((a.to, SliceArrived(sender, f"r-{sender}-{a.attempt}", a.attempt)))
             elif isinstance(a, SendHave):
                 self.inbox.append((a.to, HaveAll(sender, a.parts, a.attempt)))
             elif isinstance(a, SendCommitted):
@@ -87,7 +106,7 @@ class Net:
         """`name` dies: its queued messages are lost, the others' transports see it go."""
         self.dead.add(name)
         self.killed.add(name)
-        self.inbox = [(to, e) for to, e in self.inbox if getattr(e, "peer", None) != name]
+        self.inbox = [(to, e) for to, e in self.inbox if getattr(e, "peer", None) != name and to != name]
         for n, r in self.rounds.items():
             if n not in self.dead:
                 self._send(n, r.handle(PeerGone(name), self.now))
@@ -212,14 +231,67 @@ def test_a_have_from_a_later_attempt_counts_once_this_member_gets_there():
     assert isinstance(acts[0], Abort) and acts[-1] == Commit(("a", "b"), two, 2)
 
 
+def test_a_scatter_round_reduces_each_slice_once_and_commits_when_every_member_holds_every_slice():
+    names = ["a", "b", "c", "d"]
+    net = Net(names, scatter=True)
+    net.run()
+    outcomes = net.outcomes()
+    digest = parts_digest({m: f"r-{m}-1" for m in names}, names)
+    assert set(outcomes.values()) == {Commit(tuple(names), digest, 1)}
+    for n in names:  # one reduction each, of its own slice, with every member's
+        assert [x for x in net.log[n] if isinstance(x, Reduce)] == [Reduce(tuple(names), 1)]
+        assert sorted(x.to for x in net.log[n] if isinstance(x, SendSlice)) == [m for m in names if m != n]
+
+
+@pytest.mark.parametrize("when", [0, 5, 14, 28, 34, 40])
+def test_a_scatter_round_retries_without_a_killed_member_with_slices_cut_again(when):
+    names = ["a", "b", "c", "d"]
+    net = Net(names, scatter=True)
+    for _ in range(when):
+        net.deliver()
+    net.kill("d")
+    net.run()
+    outcomes = net.outcomes()
+    assert len(set(outcomes.values())) == 1, outcomes
+    [commit] = set(outcomes.values())
+    assert isinstance(commit, Commit)
+    if commit.members == ("a", "b", "c"):  # cut again for three, sent again, reduced again
+        assert commit.attempts == 2 and commit.parts == parts_digest({m: f"r-{m}-2" for m in "abc"}, "abc")
+        for n in "abc":
+            assert {x.to for x in net.log[n] if isinstance(x, SendPart) and x.attempt == 2} == set("abc") - {n}
+            assert Reduce(("a", "b", "c"), 2) in net.log[n]
+    else:
+        assert commit == Commit(tuple(names), parts_digest({m: f"r-{m}-1" for m in names}, names), 1)
+
+
+def test_a_scatter_round_ignores_what_belongs_to_an_attempt_it_left_and_keeps_what_comes_early():
+    r = ScatterRound("a", ["a", "b", "c"], 0.0, ATTEMPT_S)
+    assert r.start() == [SendPart("b", 1), SendPart("c", 1)]
+    assert r.handle(PartArrived("b", "x", 2), 0.0) == []  # b dropped c already: kept for attempt 2
+    acts = r.handle(PeerGone("c"), 0.1)
+    assert isinstance(acts[0], Abort) and acts[1:] == [SendPart("b", 2), Reduce(("a", "b"), 2)]
+    assert r.handle(PartArrived("b", "old", 1), 0.1) == [] and r.handle(SliceArrived("b", "old", 1), 0.1) == []
+    assert r.handle(Reduced("r-a", 2), 0.2) == [SendSlice("b", 2)]
+    [have] = r.handle(SliceArrived("b", "r-b", 2), 0.2)
+    assert have == SendHave("b", parts_digest({"a": "r-a", "b": "r-b"}, "ab"), 2)
+    assert r.handle(HaveAll("b", have.parts, 2), 0.3) == [Commit(("a", "b"), have.parts, 2)]
+
+
+def test_uncompressed_rounds_of_many_members_are_reduce_scatters():
+    assert uses_scatter(3, "none") and uses_scatter(9, "none")
+    assert not uses_scatter(2, "none") and not uses_scatter(8, "int8") and not uses_scatter(8, "fp16")
+
+
 @settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 10**6), members=st.integers(2, 5), kill=st.integers(-1, 4), at=st.integers(0, 40))
-def test_members_that_commit_always_commit_the_same_parts(seed, members, kill, at):
-    """Any delivery order, any member killed at any point: no round splits (every survivor commits
-    the same members' parts, or every survivor fails)."""
+@given(
+    seed=st.integers(0, 10**6), members=st.integers(2, 5), kill=st.integers(-1, 4), at=st.integers(0, 40), scatter=st.booleans(),
+)
+def test_members_that_commit_always_commit_the_same_parts(seed, members, kill, at, scatter):
+    """Any delivery order, any member killed at any point, either kind of round: no round splits
+    (every survivor commits the same members' parts, or every survivor fails)."""
     rng = random.Random(seed)
     names = [f"p{i}" for i in range(members)]
-    net = Net(names)
+    net = Net(names, scatter=scatter)
     for _ in range(min(at, len(net.inbox))):
         net.deliver(rng.randrange(len(net.inbox)))
     if 0 <= kill < members:
@@ -292,6 +364,57 @@ def test_reduction_is_the_weighted_mean_in_a_fixed_order_whatever_order_the_part
     expected = sum(decode_part(parts[p])[1] * decode_part(parts[p])[0]["weight"] for p in parts) / 4.5
     assert torch.allclose(mean, expected, atol=1e-6)
     assert metas["a"]["value_norm"] == pytest.approx(float(decode_part(parts["a"])[1].norm()))
+
+
+@pytest.mark.parametrize("numel", [0, 5, BLOCK * 7 + 3, 100_000])
+def test_slices_cover_the_values_in_block_aligned_pieces(numel):
+    for members in (1, 2, 3, 4, 7):
+        bounds = slice_bounds(numel, members)
+        assert len(bounds) == members and bounds[0][0] == 0 and bounds[-1][1] == numel
+        assert all(a == b_prev for (_, b_prev), (a, _) in zip(bounds, bounds[1:], strict=False))
+        assert all(a % BLOCK == 0 for a, _ in bounds if a < numel)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_reduce_scatter_gives_the_all_gathers_mean(codec):
+    """Each member reduces its slice of every part; the slices laid end to end are the mean the
+    reduction of the whole parts gives (the same operations on each value; torch may round a
+    vector's tail apart), with the same total weight and per-member norms."""
+    g = torch.Generator().manual_seed(3)
+    names = ["a", "b", "c", "d"]
+    values = {n: torch.randn(BLOCK * 9 + 17, generator=g) for n in names}
+    weights = {"a": 1.0, "b": 3.0, "c": 0.5, "d": 2.0}
+    whole = {n: encode_part(values[n], weights[n], codec, {"round": 7}) for n in names}
+    expect, total, metas = reduce_parts(names, whole)
+    expect = expect.clone()
+    cut = {n: encode_slices(values[n], weights[n], codec, {"round": 7}, names) for n in names}
+    reduced = {m: reduce_slice(names, m, {n: cut[n][m] for n in names}) for m in names}
+    segments, got_total, got_metas = assemble(names, reduced)
+    got = torch.cat(segments)
+    assert (got - expect).abs().max() < 1e-6 and got_total == total
+    for n in names:
+        assert got_metas[n]["round"] == 7 and got_metas[n]["weight"] == weights[n]
+        assert got_metas[n]["value_norm"] == pytest.approx(metas[n]["value_norm"], rel=1e-6)
+
+
+def test_segments_read_end_to_end_give_views_within_one_and_copies_across():
+    whole = torch.arange(10.0)
+    segments = [whole[:3], whole[3:7], whole[7:]]
+    for a, b in [(0, 10), (0, 3), (3, 7), (2, 8), (9, 10), (5, 5)]:
+        assert torch.equal(take(segments, a, b), whole[a:b])
+    assert take(segments, 3, 7).data_ptr() == whole[3:].data_ptr()  # a view: not copied
+    with pytest.raises(IndexError):
+        take(segments, 4, 11)
+
+
+def test_a_slice_cut_for_other_members_makes_every_member_reject_the_round():
+    names = ["a", "b", "c"]
+    x = torch.ones(BLOCK * 4)
+    cut = {n: encode_slices(x, 1.0, "none", {}, names) for n in names}
+    cut["c"] = encode_slices(x, 1.0, "none", {}, ["a", "b"])  # c saw two members
+    reduced = {m: reduce_slice(names, m, {n: cut[n].get(m, cut[n]["a"]) for n in names}) for m in names}
+    with pytest.raises(PartError, match="was cut for"):
+        assemble(names, reduced)
 
 
 def test_malformed_parts_are_refused():

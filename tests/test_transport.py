@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 from islands.node.net.transport import DataPlane, Identity
-from islands.protocols.parts import encode_part, reduce_parts
+from islands.protocols.parts import assemble, encode_part, encode_slices, reduce_parts
 from islands.protocols.rounds import Commit, Fail
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
@@ -65,6 +65,68 @@ def test_a_member_that_dies_mid_transfer_costs_the_others_one_attempt():
         assert a.attempts == 2
     assert torch.equal(reduce_parts(a.members, held_a)[0], reduce_parts(b.members, held_b)[0])
     assert seconds < 10
+
+
+def _joined(segments, total, metas):
+    return torch.cat(segments), total, metas
+
+
+def _cut(k, numel=300_000):
+    return lambda order: encode_slices(_values(k, numel), k + 1.0, "none", {"round": 7}, order)
+
+
+def test_a_reduce_scatter_round_gives_every_member_the_all_gathers_bits_for_half_the_bytes():
+    async def main(scatter):
+        planes, members = await _planes(4)
+        try:
+            if scatter:
+                runs = (p.run_round(2, 7, members, None, attempt_s=20, cut=_cut(k)) for k, p in enumerate(planes))
+            else:
+                runs = (p.run_round(2, 7, members, encode_part(_values(k), k + 1.0), attempt_s=20) for k, p in enumerate(planes))
+            got = await asyncio.gather(*runs)
+            if scatter:
+                return [(o, _joined(*assemble(o.members, held))) for o, held in got], [p.bytes_sent for p in planes]
+            return [(o, reduce_parts(o.members, held)) for o, held in got], [p.bytes_sent for p in planes]
+        finally:
+            await asyncio.gather(*(p.close() for p in planes))
+
+    scattered, sent = asyncio.run(main(True))
+    gathered, sent_all = asyncio.run(main(False))
+    assert all(isinstance(o, Commit) and len(o.members) == 4 and o.attempts == 1 for o, _ in scattered)
+    expect, total, metas = gathered[0][1]
+    first = scattered[0][1][0]
+    for _, (mean, got_total, got_metas) in scattered:
+        assert torch.equal(mean, first)  # bit-identical on every member
+        assert (mean - expect).abs().max() < 1e-6 and got_total == total == 10.0  # the same mean (other peers: other order)
+        assert sorted(m["weight"] for m in got_metas.values()) == sorted(m["weight"] for m in metas.values())
+    assert all(s < 0.55 * a for s, a in zip(sent, sent_all, strict=True))  # 3/4 of a part out and 3 quarters back, against 3 parts
+
+
+def test_a_member_that_dies_in_a_reduce_scatter_costs_the_others_one_attempt_cut_again():
+    async def main():
+        planes, members = await _planes(4, chunk_bytes=256 << 10)
+        runs = [
+            asyncio.ensure_future(p.run_round(0, 1, members, None, attempt_s=20, cut=_cut(k, 4_000_000)))
+            for k, p in enumerate(planes)
+        ]
+        await asyncio.sleep(0.05)
+        runs[3].cancel()
+        await planes[3].close()
+        got = await asyncio.gather(*runs[:3])
+        await asyncio.gather(*(p.close() for p in planes[:3]))
+        return got
+
+    got = asyncio.run(main())
+    outcomes = {o for o, _ in got}
+    assert len(outcomes) == 1
+    [o] = outcomes
+    assert isinstance(o, Commit)
+    means = [torch.cat(assemble(o.members, held)[0]) for _, held in got]
+    assert all(torch.equal(means[0], m) for m in means[1:])
+    if len(o.members) == 3:  # without it: each survivor's part cut in three
+        assert o.attempts == 2
+        exact = sum((k + 1.0) * _values(k, 4_000_000) for k in range(3)) / 6.0
+        assert (means[0] - exact).abs().max() < 1e-5
 
 
 def test_a_peer_without_the_swarm_key_cannot_open_a_data_connection():

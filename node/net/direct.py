@@ -32,7 +32,14 @@ from islands.node.timeouts import Timeouts
 from islands.protocols import rounds as sm
 from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, RoundResult
-from islands.protocols.parts import PartError, encode_part, reduce_parts
+from islands.protocols.parts import (
+    PartError,
+    assemble,
+    encode_part,
+    encode_slices,
+    reduce_parts,
+    take,
+)
 from islands.protocols.validation import (
     check_consensus,
     check_update,
@@ -137,24 +144,36 @@ class DirectRounds(RoundsBase):
     async def _round(
         self, channel: int, round_: int, peers: dict[str, tuple[str, int]], values: torch.Tensor, weight: float, codec: str,
         meta: dict, attempt_s: float,
-    ) -> tuple[sm.Commit | sm.Fail, torch.Tensor | None, float, dict[str, dict], int, int]:
-        """One round of the protocol: (outcome, the reduced values, their total weight, each member's
-        meta, bytes sent, bytes received on the wire); PartError from a part that does not decode."""
-        part = await asyncio.to_thread(encode_part, values, weight, codec, meta)
-        outcome, parts = await self.plane.run_round(
-            channel, round_, {**peers, self.me: ("", 0)}, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS,
-        )
+    ) -> tuple[sm.Commit | sm.Fail, list[torch.Tensor] | None, float, dict[str, dict], int, int]:
+        """One round of the protocol: (outcome, the reduced values as segments to read end to end,
+        their total weight, each member's meta, bytes sent, bytes received on the wire); PartError
+        from a part that does not decode."""
+        members = {**peers, self.me: ("", 0)}
+        if sm.uses_scatter(len(members), codec):  # a reduce-scatter: each member reduces its slice
+            outcome, parts = await self.plane.run_round(
+                channel, round_, members, None, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS,
+                cut=lambda order: encode_slices(values, weight, codec, meta, order),
+            )
+            combine = assemble
+        else:
+            part = await asyncio.to_thread(encode_part, values, weight, codec, meta)
+            outcome, parts = await self.plane.run_round(channel, round_, members, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS)
+            combine = reduce_parts
         sent, recv = self.plane.round_bytes(channel, round_)
         if not isinstance(outcome, sm.Commit):
             return outcome, None, 0.0, {}, sent, recv
-        mean, total, metas = await asyncio.to_thread(reduce_parts, outcome.members, parts)
-        return outcome, mean, total, metas, sent, recv
+        mean, total, metas = await asyncio.to_thread(combine, outcome.members, parts)
+        segments = mean if isinstance(mean, list) else [mean]
+        if sum(x.numel() for x in segments) != values.numel():
+            raise PartError(f"the round's result has {sum(x.numel() for x in segments)} values, this island's part {values.numel()}")
+        return outcome, segments, total, metas, sent, recv
 
-    def _split(self, fragment: int, flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out, at = {}, 0
+    def _split(self, fragment: int, segments: list[torch.Tensor], like: dict[str, torch.Tensor], at: int = 0) -> dict[str, torch.Tensor]:
+        """The fragment's tensors from the round's values (segments read end to end from `at`)."""
+        out = {}
         for n, shape in zip(self.names[fragment], self.layout_shapes[fragment], strict=True):
             k = math.prod(shape)
-            out[n] = flat[at : at + k].view(shape).to(like[n].dtype)
+            out[n] = take(segments, at, at + k).view(shape).to(like[n].dtype)
             at += k
         return out
 
@@ -250,7 +269,7 @@ class DirectRounds(RoundsBase):
         if not isinstance(outcome, sm.Commit):
             logger.info("fragment %d consensus round %d: no round: %s", fragment, round_, outcome.reason)
             return None
-        averaged = (self._split(fragment, mean[:half], global_), self._split(fragment, mean[half:], momentum))
+        averaged = (self._split(fragment, mean, global_), self._split(fragment, mean, momentum, half))
         agreed_norm, reference = tensors_norm(global_.values()), self.history[fragment].reference(0.0)
         for phase, got, own, path in (("global", averaged[0], global_, apart[0]), ("momentum", averaged[1], momentum, apart[1])):
             why = check_consensus(got, own, consensus_bound(agreed_norm, reference, path))

@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from islands.protocols import rounds as sm
 from islands.protocols import wire
 from islands.protocols.admission import derive
-from islands.protocols.parts import new_buffer
+from islands.protocols.parts import new_buffer, reduce_slice
 from islands.protocols.records import P2P_ADDRESS
 
 from .signing import peer_id_of
@@ -91,6 +91,18 @@ class Conn:
     sending: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     """One frame at a time: rounds of several fragments share the pool, and a frame is sealed in
     `scratch` and written whole before the next one."""
+    dropped: bool = False
+
+    def abandon(self) -> None:
+        """Shut it down; close it now, or, while a frame is being sent on it, once that send fails
+        (the event loop would wait forever on a socket closed under a pending send)."""
+        self.dropped = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if not self.sending.locked():
+            self.sock.close()
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -168,6 +180,9 @@ class _Inbox:
 
     def __init__(self):
         self.parts: dict[tuple[str, int], _Part] = {}
+        """(peer, attempt) -> its part (an all-gather: attempt 1) or its slice of this member's share."""
+        self.slices: dict[tuple[str, int], _Part] = {}
+        """(peer, attempt) -> its reduced slice (a reduce-scatter)."""
         self.events: asyncio.Queue = asyncio.Queue()
 
 
@@ -266,7 +281,7 @@ class DataPlane:
         await asyncio.gather(*self._readers, *(x for x in [self._accepting] if x), return_exceptions=True)
         for conns in self._out.values():
             for c in conns:
-                c.sock.close()
+                c.abandon()
         self._out.clear()
         if self._listener is not None:
             self._listener.close()
@@ -303,6 +318,9 @@ class DataPlane:
                 self._take(conn, frame, bytes(header), body)
         except (ConnectionError, OSError, wire.WireError, InvalidTag) as e:
             if peer is not None:
+                # its connections to this island closed: a killed member's do; frames sent to it now
+                # would sit in a socket buffer unanswered, so the next send (a re-ask) dials again
+                self.drop(peer)
                 for inbox in self._inboxes.values():
                     inbox.events.put_nowait(sm.PeerGone(peer))
                 if not isinstance(e, ConnectionError):
@@ -320,10 +338,11 @@ class DataPlane:
                 self._answer(frame.fragment, sm.HaveAll(conn.peer, conn.aead.decrypt(nonce, bytes(body), header).decode(), frame.attempt))
             return  # a frame of a round this island has finished: late, nobody waits for it
         inbox = self._inbox(frame.fragment, frame.round)
-        if frame.kind == wire.Kind.PART:
-            part = inbox.parts.get((conn.peer, frame.attempt))
+        if frame.kind in (wire.Kind.PART, wire.Kind.SLICE):
+            store = inbox.parts if frame.kind == wire.Kind.PART else inbox.slices
+            part = store.get((conn.peer, frame.attempt))
             if part is None:
-                part = inbox.parts[(conn.peer, frame.attempt)] = _Part(new_buffer(frame.chunks * self.chunk_bytes), frame.chunks)
+                part = store[(conn.peer, frame.attempt)] = _Part(new_buffer(frame.chunks * self.chunk_bytes), frame.chunks)
             if frame.chunk in part.got or frame.chunks != part.chunks:
                 raise wire.WireError(f"chunk {frame.chunk} of {conn.peer}'s part came twice")
             at = frame.chunk * self.chunk_bytes
@@ -331,7 +350,10 @@ class DataPlane:
             part.got.add(frame.chunk)
             part.size += frame.length
             if len(part.got) == part.chunks:
-                inbox.events.put_nowait(sm.PartArrived(conn.peer, _digest(part.size), frame.attempt))
+                if frame.kind == wire.Kind.PART:
+                    inbox.events.put_nowait(sm.PartArrived(conn.peer, _digest(part.size), frame.attempt))
+                else:
+                    inbox.events.put_nowait(sm.SliceArrived(conn.peer, _digest(part.size, frame.attempt), frame.attempt))
             return
         payload = conn.aead.decrypt(nonce, bytes(body), header)
         if frame.kind == wire.Kind.HAVE:
@@ -364,7 +386,9 @@ class DataPlane:
         if peer in self._out:
             return self._out[peer]
         if peer not in self._dialing:
-            self._dialing[peer] = asyncio.ensure_future(self._dial_pool(peer, address))
+            dialing = self._dialing[peer] = asyncio.ensure_future(self._dial_pool(peer, address))
+            # its failure is its callers' to handle; one cancelled meanwhile leaves nobody to read it
+            dialing.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             conns = await asyncio.shield(self._dialing[peer])
         finally:
@@ -430,19 +454,26 @@ class DataPlane:
                 await loop.sock_sendall(conn.sock, header)
                 await loop.sock_sendall(conn.sock, out)
             except BaseException:
-                self.drop(conn.peer)  # a frame cut short (cancelled, failed) would garble the stream
+                if not conn.dropped:  # (a pool dropped already may have been dialled anew since)
+                    self.drop(conn.peer)  # a frame cut short (cancelled, failed) would garble the stream
                 raise
+            finally:
+                if conn.dropped:
+                    conn.sock.close()
         self.bytes_sent += len(header) + len(out)
         self._round_bytes.setdefault((frame.fragment, frame.round), [0, 0])[0] += len(header) + len(out)
 
-    async def send_part(self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview) -> None:
+    async def send_part(
+        self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview,
+        kind: wire.Kind = wire.Kind.PART,
+    ) -> None:
         conns = await self._conns(peer, address)
         spans = wire.chunk_spans(len(part), self.chunk_bytes)
 
         async def lane(conn: Conn, chunk_ids: list[int]) -> None:
             for i in chunk_ids:
                 offset, length = spans[i]
-                frame = wire.Frame(wire.Kind.PART, fragment, round_, attempt, i, len(spans), length, self.sid)
+                frame = wire.Frame(kind, fragment, round_, attempt, i, len(spans), length, self.sid)
                 await self._send(conn, frame, part[offset : offset + length])
 
         await asyncio.gather(*(lane(c, ids) for c, ids in zip(conns, wire.stripe(len(spans), len(conns)), strict=True)))
@@ -466,26 +497,69 @@ class DataPlane:
     def drop(self, peer: str) -> None:
         """Forget the pool to `peer` (it is gone; the next round dials again)."""
         for c in self._out.pop(peer, []):
-            c.sock.close()
+            c.abandon()
 
     # --- one round -----------------------------------------------------------------------------
 
     async def run_round(
-        self, fragment: int, round_: int, members: Mapping[str, tuple[str, int]], part: bytes | bytearray | memoryview,
-        attempt_s: float, max_attempts: int = 3,
+        self, fragment: int, round_: int, members: Mapping[str, tuple[str, int]], part: bytes | bytearray | memoryview | None,
+        attempt_s: float, max_attempts: int = 3, cut: Callable[[tuple[str, ...]], dict[str, memoryview]] | None = None,
     ) -> tuple[sm.Commit | sm.Fail, dict[str, memoryview]]:
         """Take part in round (fragment, round_) with these members (peer -> address; this island
-        included) and this island's part: (Commit, every committed member's part) or (Fail, {})."""
+        included) and this island's part: (Commit, every committed member's part) or (Fail, {}).
+
+        With `cut` instead of a part, the round is a reduce-scatter (rounds.ScatterRound): `cut(members)`
+        gives this island's part cut into one slice per member (parts.encode_slices; run in a thread,
+        again for each attempt), and a Commit comes with every member's reduced slice
+        (parts.reduce_slice; parts.assemble puts them together)."""
+        if (part is None) == (cut is None):
+            raise ValueError("a round takes a part or a cut, not both")
         inbox = self._inbox(fragment, round_)
-        mine = memoryview(part).cast("B")
+        me = self.me.peer_id
         clock = time.monotonic
-        r = sm.Round(self.me.peer_id, members, _digest(len(mine)), clock(), attempt_s, max_attempts)
+        if cut is None:
+            mine = memoryview(part).cast("B")
+            r = sm.Round(me, members, _digest(len(mine)), clock(), attempt_s, max_attempts)
+        else:
+            r = sm.ScatterRound(me, members, clock(), attempt_s, max_attempts)
+        cuts: dict[int, asyncio.Future] = {}
+        """attempt -> this island's slices for that attempt's members."""
+        reduced: dict[int, memoryview] = {}
+        """attempt -> this island's reduced slice."""
         sends: set[asyncio.Task] = set()
+
+        def slices(attempt: int, order: tuple[str, ...]) -> asyncio.Future:
+            if attempt not in cuts:
+                cuts[attempt] = asyncio.ensure_future(asyncio.to_thread(cut, order))
+            return cuts[attempt]
+
+        async def send_slice(to: str, attempt: int) -> None:
+            await self.send_part(to, members[to], fragment, round_, attempt, reduced[attempt], wire.Kind.SLICE)
+
+        async def send_cut(to: str, attempt: int, order: tuple[str, ...]) -> None:
+            pieces = await slices(attempt, order)
+            await self.send_part(to, members[to], fragment, round_, attempt, pieces[to])
+
+        async def reduce(a: sm.Reduce) -> None:
+            pieces = await slices(a.attempt, a.members)
+            held = {p: (pieces[me] if p == me else inbox.parts[(p, a.attempt)].view) for p in a.members}
+            reduced[a.attempt] = await asyncio.to_thread(reduce_slice, a.members, me, held)
+            inbox.events.put_nowait(sm.Reduced(_digest(len(reduced[a.attempt]), a.attempt), a.attempt))
 
         def act(actions: list) -> None:
             for a in actions:
                 if isinstance(a, sm.SendPart):
-                    coro = self.send_part(a.to, members[a.to], fragment, round_, 1, mine)
+                    if cut is None:
+                        coro = self.send_part(a.to, members[a.to], fragment, round_, 1, mine)
+                    else:
+                        coro = send_cut(a.to, a.attempt, r.members)
+                elif isinstance(a, sm.Reduce):
+                    task = asyncio.ensure_future(reduce(a))
+                    sends.add(task)
+                    task.add_done_callback(sends.discard)
+                    continue
+                elif isinstance(a, sm.SendSlice):
+                    coro = send_slice(a.to, a.attempt)
                 elif isinstance(a, sm.SendHave):
                     coro = self.send_small(a.to, members[a.to], wire.Kind.HAVE, fragment, round_, a.attempt, a.parts.encode())
                 elif isinstance(a, sm.SendCommitted):
@@ -507,7 +581,11 @@ class DataPlane:
                 act(r.handle(event, clock()))
             if isinstance(r.outcome, sm.Commit):
                 await asyncio.gather(*sends, return_exceptions=True)  # a committed member still answers the others
-                parts = {p: (mine if p == self.me.peer_id else inbox.parts[(p, 1)].view) for p in r.outcome.members}
+                if cut is None:
+                    parts = {p: (mine if p == me else inbox.parts[(p, 1)].view) for p in r.outcome.members}
+                else:
+                    a = r.outcome.attempts
+                    parts = {p: (reduced[a] if p == me else inbox.slices[(p, a)].view) for p in r.outcome.members}
                 return r.outcome, parts
             return r.outcome, {}
         finally:
@@ -537,6 +615,7 @@ class DataPlane:
             inbox.events.put_nowait(sm.PeerGone(peer))
 
 
-def _digest(size: int) -> str:
-    """A part's name in the state machine: its size (each member sends one part a round, authenticated)."""
-    return f"{size}"
+def _digest(size: int, attempt: int | None = None) -> str:
+    """A part's name in the state machine: its size (each member sends one part a round, and one
+    reduced slice an attempt, authenticated)."""
+    return f"{size}" if attempt is None else f"{attempt}:{size}"
