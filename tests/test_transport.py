@@ -205,29 +205,44 @@ def test_a_chunk_altered_on_the_way_is_never_applied():
     assert any("InvalidTag" in r for r in refusals), refusals
 
 
-def _victim(point: str, chunks: int, out, go, said_have: str) -> None:
+def _run(plane, members, k, numel, scatter, **kwargs):
+    """Member k's round with its part, as an all-gather or (`scatter`) a reduce-scatter."""
+    if scatter:
+        return plane.run_round(0, 1, members, None, cut=_cut(k, numel), **kwargs)
+    return plane.run_round(0, 1, members, encode_part(_values(k, numel), 1.0), **kwargs)
+
+
+def _victim(point: str, scatter: bool, out, go, said_have: str) -> None:
     """A member in its own process that SIGKILLs itself at `point` of its round; it writes to
-    `said_have` before it sends a `have` (it may hold the others' parts before its own are out)."""
+    `said_have` before it sends a `have` (it may hold the others' parts before its own are out).
+    Its last data is its part (an all-gather) or its reduced slice (a reduce-scatter)."""
     import os
     import signal
 
     from islands.protocols import wire
 
-    sent = {"part": 0, "have": 0}
+    last = wire.Kind.SLICE if scatter else wire.Kind.PART
+    sent: dict[str, int] = {}
+    haves = []
     original = DataPlane._send
 
     async def send(self, conn, frame, payload):
-        if frame.kind == wire.Kind.PART and (point == "before its first part" or (point == "mid-transfer" and frame.chunk >= chunks // 2)):
+        if frame.kind == wire.Kind.PART and (
+            point == "before its first part" or (point == "mid-transfer" and frame.chunk >= frame.chunks // 2)
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
-        if frame.kind == wire.Kind.HAVE and point == "while committing" and sent["have"] == 1:
+        if frame.kind == wire.Kind.HAVE and point == "while committing" and len(haves) == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # one other member has its `have`, the other not
         if frame.kind == wire.Kind.HAVE:
             with open(said_have, "a") as f:
                 f.write("have\n")
         await original(self, conn, frame, payload)
-        sent["part" if frame.kind == wire.Kind.PART else "have"] += 1
-        if point == "after its last part" and sent["part"] == 2 * chunks:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if frame.kind == wire.Kind.HAVE:
+            haves.append(conn.peer)
+        if frame.kind == last:
+            sent[conn.peer] = sent.get(conn.peer, 0) + 1
+            if point == "after its last part" and len(sent) == 2 and all(n == frame.chunks for n in sent.values()):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     DataPlane._send = send
 
@@ -236,7 +251,7 @@ def _victim(point: str, chunks: int, out, go, said_have: str) -> None:
         await plane.start()
         out.put((plane.me.peer_id, plane.port))
         members = await asyncio.to_thread(go.get, True, 60)
-        await plane.run_round(0, 1, members, encode_part(_values(2, 4_000_000), 1.0), attempt_s=ATTEMPT_S)
+        await _run(plane, members, 2, 4_000_000, scatter, attempt_s=ATTEMPT_S)
 
     asyncio.run(main())
 
@@ -244,18 +259,19 @@ def _victim(point: str, chunks: int, out, go, said_have: str) -> None:
 ATTEMPT_S = 5.0
 
 
+@pytest.mark.parametrize("kind", ["all-gather", "reduce-scatter"])
 @pytest.mark.parametrize("point", ["before its first part", "mid-transfer", "after its last part", "while committing"])
-def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_committed_round(point, tmp_path):
+def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_committed_round(point, kind, tmp_path):
     """SIGKILL of a member (a process of its own) at each point of a round: the other two commit
     the same round (equal digests, members, bits) within the attempt's wait plus 2 s."""
     import multiprocessing as mp
 
+    scatter = kind == "reduce-scatter"
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Queue()
     numel = 4_000_000
-    chunks = -(-(numel * 4 + 64) // (256 << 10))
     said_have = tmp_path / "said-have"
-    victim = ctx.Process(target=_victim, args=(point, chunks, out, go, str(said_have)), daemon=True)
+    victim = ctx.Process(target=_victim, args=(point, scatter, out, go, str(said_have)), daemon=True)
     victim.start()
     try:
         peer, port = out.get(timeout=60)
@@ -267,9 +283,7 @@ def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_commit
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
-                got = await asyncio.gather(*(
-                    p.run_round(0, 1, members, encode_part(_values(k, numel), 1.0), attempt_s=ATTEMPT_S) for k, p in enumerate(planes)
-                ))
+                got = await asyncio.gather(*(_run(p, members, k, numel, scatter, attempt_s=ATTEMPT_S) for k, p in enumerate(planes)))
                 return got, loop.time() - started
             finally:
                 await asyncio.gather(*(p.close() for p in planes))
@@ -282,8 +296,11 @@ def test_a_member_killed_at_any_point_of_a_round_leaves_the_survivors_one_commit
             assert peer not in a.members and a.attempts == 2
         # else (always while committing; after its last part when the others' parts reached it
         # before its own were out) the others may have committed with it: every member held every part
-        assert torch.equal(reduce_parts(a.members, held_a)[0], reduce_parts(b.members, held_b)[0])
-        print(f"{point}: {len(a.members)} members, attempt {a.attempts}, {seconds:.2f} s")
+        if scatter:
+            assert torch.equal(torch.cat(assemble(a.members, held_a)[0]), torch.cat(assemble(b.members, held_b)[0]))
+        else:
+            assert torch.equal(reduce_parts(a.members, held_a)[0], reduce_parts(b.members, held_b)[0])
+        print(f"{kind}, {point}: {len(a.members)} members, attempt {a.attempts}, {seconds:.2f} s")
         assert seconds < 2 * ATTEMPT_S + 2  # a member silent after this one's `have` is asked again once (rounds.py)
     finally:
         if victim.is_alive():
