@@ -336,8 +336,8 @@ class Round:
 
 
 SCATTER_FROM = 3
-"""Members from which an uncompressed round is a reduce-scatter (bench/README.md, 100 MB: 0.27 s
-against an all-gather's 0.41 s at 3 islands, 0.43 against 0.70 at 4; at 2 islands both move one
+"""Members from which an uncompressed round is a reduce-scatter (bench/README.md, 100 MB: 0.25 s
+against an all-gather's 0.40 s at 3 islands, 0.37 against 0.78 at 4; at 2 islands both move one
 part each way and take the same time, and the all-gather is the simpler round)."""
 
 
@@ -368,11 +368,6 @@ class ScatterRound(Round):
 
     def _lacks(self, peer: str) -> bool:
         return peer not in self.pieces.get(self.attempt, {}) or peer not in self.slices.get(self.attempt, {})
-
-    def start(self) -> list[Action]:
-        if len(self.members) < 2:
-            return self._fail("no other member")
-        return [SendPart(p, 1) for p in self.members if p != self.me]
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if self.done or not isinstance(event, PartArrived | SliceArrived | Reduced):
