@@ -29,7 +29,8 @@ member i receives every member's slice i, reduces it (fp32, fixed order) and sen
 the others. Each value is still encoded once by its owner, and each slice is reduced by one member
 only, so the members that commit hold the same bits. `have` then means "I hold every member's
 reduced slice", and its digest names them; an attempt's slices depend on its members, so a retry
-cuts and sends them again. `uses_scatter` chooses (measured: bench/README.md).
+cuts and sends them again, and a member that had said `have` says it again for the attempt it left
+(a member that committed on it never sends the new attempt's slices; it answers `Committed`). `uses_scatter` chooses (measured: bench/README.md).
 
 Parts as bytes, and their reduction: protocols/parts.py.
 
@@ -396,8 +397,15 @@ class ScatterRound(Round):
 
     def _retry(self, dropped: list[str], reason: str, now: float) -> list[Action]:
         self.pieces.setdefault(self.attempt + 1, {})[self.me] = "own"
+        said = self.have.get(self.me) if self.sent_have else None
         actions = super()._retry(dropped, reason, now)
         if self.done:
             return actions
         # the slices depend on the members: cut and send them again
-        return [actions[0], *(SendPart(p, self.attempt) for p in self.members if p != self.me), *actions[1:]]
+        again = [SendPart(p, self.attempt) for p in self.members if p != self.me]
+        if said is not None:
+            # every member may have said `have` and one of them committed (the dropped member's
+            # `have` reached it, not this one): it never sends this attempt's slices, so tell it
+            # the `have` of the attempt left; a committed member answers what it committed (_adopt)
+            again += [SendHave(p, said[1], said[0]) for p in self.members if p != self.me]
+        return [actions[0], *again, *actions[1:]]

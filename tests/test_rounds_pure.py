@@ -277,6 +277,22 @@ def test_a_scatter_round_ignores_what_belongs_to_an_attempt_it_left_and_keeps_wh
     assert r.handle(HaveAll("b", have.parts, 2), 0.3) == [Commit(("a", "b"), have.parts, 2)]
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-gather", "reduce-scatter"])
+def test_a_member_killed_after_its_have_reached_only_some_leaves_no_survivor_behind(scatter):
+    """c dies having said `have` to a but not to b: a commits with c; b drops c and retries, and
+    (a retry of a reduce-scatter cuts new slices that a, done, never sends) learns a's commit."""
+    net = Net(["a", "b", "c"], scatter=scatter)
+    while True:
+        i = next((k for k, (to, e) in enumerate(net.inbox) if not (to == "b" and isinstance(e, HaveAll) and e.peer == "c")), None)
+        if i is None:
+            break
+        net.deliver(i)
+    assert isinstance(net.rounds["a"].outcome, Commit) and not net.rounds["b"].done
+    net.kill("c")
+    net.run()
+    assert net.rounds["b"].outcome == net.rounds["a"].outcome
+
+
 def test_uncompressed_rounds_of_many_members_are_reduce_scatters():
     assert uses_scatter(3, "none") and uses_scatter(9, "none")
     assert not uses_scatter(2, "none") and not uses_scatter(8, "int8") and not uses_scatter(8, "fp16")
