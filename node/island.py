@@ -219,14 +219,17 @@ class IslandCore:
         await self.network.withdraw()
 
 
-async def wait_for_islands(network: Network, want: int, shutdown: Callable[[], bool], progress: Progress) -> None:
-    """--wait-islands: wait (bounded) until that many islands are in the swarm."""
+async def wait_for_islands(network: Network, want: int, shutdown: Callable[[], bool], progress: Progress, ready: bool = False) -> None:
+    """--wait-islands: wait (bounded) until that many islands are in the swarm; `ready`: until that
+    many have opened their rounds (built their model, joined the run), so that none trains alone
+    while another still builds a slow task."""
     timeout_s = network.timeouts.wait_timeout_s
+    what = "ready" if ready else "here"
     seen = await network.wait_for_islands(
-        want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} here")),
+        want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} {what}")), ready=ready,
     )
     if seen < want:
-        progress.note(f"only {seen} of {want} islands after {timeout_s:g}s; training anyway")
+        progress.note(f"only {seen} of {want} islands {what} after {timeout_s:g}s; training anyway")
 
 
 class Changed:

@@ -225,6 +225,8 @@ class Island:
         core.begin(state.step, shard, self._batch_tokens(trainer))
         self._resume(core, trainer)
         await network.refresh()
+        if cfg.net.wait_islands > 1 and not state.step and not role.satellite:
+            await wait_for_islands(network, cfg.net.wait_islands, shutdown.is_set, out.progress, ready=True)
         out.events.emit(
             "started", peer_id=network.peer_id, maddrs=network.maddrs(), run_id=cfg.net.run_id, role=cfg.net.role,
             config=cfg.flat(), manifest=self.manifest, resumed_step=state.step, shard=shard, version=VERSION,

@@ -375,15 +375,23 @@ class Network:
         """Islands (satellites excluded) that would take part in a round now, this one included."""
         return 1 + len(self._other_islands(training=False))
 
-    async def wait_for_islands(self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> int:
-        """Wait (bounded) until `count` islands are present; the number seen."""
+    def ready_islands(self) -> int:
+        """Islands that have opened their rounds (their record names a transport address), this one included."""
+        return 1 + sum(1 for r in self._other_islands(training=False).values() if r.data)
+
+    async def wait_for_islands(
+        self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None], ready: bool = False,
+    ) -> int:
+        """Wait (bounded) until `count` islands are present (`ready`: and have opened their rounds);
+        the number seen."""
+        counted = self.ready_islands if ready else self.live_islands
         deadline = self._monotonic() + timeout_s
-        seen = self.live_islands()
+        seen = counted()
         while seen < count and self._monotonic() < deadline and not shutdown():
             on_wait(seen)
             await self._pause(0.5)
             await self.refresh()
-            seen = self.live_islands()
+            seen = counted()
         return seen
 
     async def wait_for_end(self, step: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None]) -> set[str]:

@@ -68,6 +68,8 @@ class NormHistory:
     norms: deque = dataclasses.field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def reference(self, own_norm: float) -> float:
+        """What an update's norm is compared with: the recent accepted norms' median, or this
+        island's own update's norm if larger; 0 when it has neither (nothing to judge by)."""
         if not self.norms:
             return own_norm
         return max(own_norm, statistics.median(self.norms))
@@ -86,6 +88,10 @@ def check_update(
         return why, math.nan
     norm = tensors_norm(averaged.values())
     bound = ratio * history.reference(tensors_norm(own.values()))
+    if bound == 0:
+        # nothing to judge by: an island that trained nothing (it joined as the others finished)
+        # and accepted no round yet takes what the others agreed, as it took their state
+        return None, norm
     if norm > bound:
         return f"norm {norm:.4g} above {bound:.4g} ({ratio:g}x the reference)", norm
     return None, norm

@@ -152,6 +152,16 @@ def test_the_norm_bound_follows_the_accepted_history():
     assert check_update(_t(10 * NORM_RATIO / 4 * 1.01), _t(0.01), history)[0] is not None
 
 
+def test_an_island_that_trained_nothing_and_accepted_nothing_takes_what_the_others_agreed():
+    """It joined as the others finished (its update is 0) and has no accepted norms to compare
+    with: it applies the round the others accept instead of rejecting it alone (a split model)."""
+    assert check_update(_t(3.0), _t(0.0), NormHistory())[0] is None
+    assert "non-finite" in check_update(_t(math.nan), _t(0.0), NormHistory())[0]  # still never a broken one
+    history = NormHistory()
+    history.accept(1.0)
+    assert check_update(_t(3.0), _t(0.0), history)[0] is not None  # with a history it judges as before
+
+
 def test_consensus_may_move_values_by_a_few_updates_but_not_further():
     own = _t(1.0)
     bound = consensus_bound(agreed_norm=4.0, update_reference=0.5)
