@@ -1,13 +1,13 @@
 """Compute utilization over a long, thin link: streaming (fragments, overlapped) against blocking DiLoCo.
 
-    python -m bench.overlap --out bench/results/overlap.json [--rate-mbit 20] [--window 100] [--steps 400] [--rounds direct,hivemind]
+    python -m bench.overlap --out bench/results/overlap.json [--rate-mbit 20] [--window 100] [--steps 400]
 
 Two islands, each behind a relay with the `intercontinental` profile (75 ms one
 way) and a rate cap per direction, low enough that averaging the whole model at
 once takes a visible share of a window. Run twice on the same data:
 - streaming: `--fragments 4 --overlap TAU` (one fragment at a time, applied TAU steps after its start);
 - blocking: `--fragments 1 --overlap 0` (the whole model at once, training waits for it);
-each with every kind of rounds asked for (`--rounds`: the own protocol, hivemind's averager), side by side.
+side by side.
 
 Utilization is the time spent in forward, backward and optimizer steps over the
 wall time, from the end of step H (the first round) to the end of the last
@@ -49,7 +49,6 @@ def run(root: Path, name: str, schedule: list[str], args: argparse.Namespace) ->
     nodes = Nodes(root / name)
     relay = ["--profile", PROFILE, "--rate-mbit", str(args.rate_mbit)]
     common = [*schedule, "--steps", str(args.steps), "--run-id", f"bench-overlap-{name}", "--wait-islands", "2",
-              "--rounds", name.split("-")[-1],
               "--checkpoint-every", str(10 * args.steps), "--batch-size", str(args.batch_size)]
     try:
         a, join = nodes.first("a", common, relay)
@@ -76,16 +75,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
     p.add_argument("--run-dir", default="bench-runs/overlap")
-    p.add_argument("--rounds", default="direct,hivemind", help="the kinds of rounds to run, comma-separated (each runs both schedules)")
     args = p.parse_args()
     root = Path(args.run_dir)
     shutil.rmtree(root, ignore_errors=True)
     window = ["--window", str(args.window)]
-    engines = args.rounds.split(",")
-    runs = {}
-    for engine in engines:
-        runs[f"streaming-{engine}"] = run(root, f"streaming-{engine}", [*window, "--fragments", str(args.fragments), "--overlap", str(args.overlap)], args)
-        runs[f"blocking-{engine}"] = run(root, f"blocking-{engine}", [*window, "--fragments", "1", "--overlap", "0"], args)
+    runs = {
+        "streaming": run(root, "streaming", [*window, "--fragments", str(args.fragments), "--overlap", str(args.overlap)], args),
+        "blocking": run(root, "blocking", [*window, "--fragments", "1", "--overlap", "0"], args),
+    }
     rows = []
     for name, r in runs.items():
         u = r["islands"][0]
@@ -94,12 +91,11 @@ def main() -> None:
                      f"{rounds[len(rounds) // 2]:.2f}" if rounds else "-", f"{u['syncs_ok']}/{u['syncs']}", f"{r['link_bytes'] / 1e6:.1f}"])
     print(table(rows, ["run", "utilization", "wall s (island a)", "idle s", "step", "round s (median)", "ok/syncs", "MB over the links"]))
     wan = {"profile": PROFILE, "one_way_delay_ms": 75, "rate_mbit_per_direction": args.rate_mbit}
-    first = engines[0]
     write(args.out, {
-        "utilization_streaming": runs[f"streaming-{first}"]["utilization"], "utilization_blocking": runs[f"blocking-{first}"]["utilization"],
+        "utilization_streaming": runs["streaming"]["utilization"], "utilization_blocking": runs["blocking"]["utilization"],
         "wan_profile": wan, "runs": runs,
         "config": {"window": args.window, "fragments": args.fragments, "overlap": args.overlap, "steps": args.steps,
-                   "batch_size": args.batch_size, "rounds": engines},
+                   "batch_size": args.batch_size},
     })
     if args.out:
         plot(Path(args.out).with_suffix(".png"), f"Compute utilization, 2 islands, {PROFILE} link at {args.rate_mbit:g} Mbit/s",

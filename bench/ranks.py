@@ -65,7 +65,7 @@ class PeakMemory:
         while not self._stop.wait(0.5):
             children = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout.split()
             for pid in [self.pid, *map(int, children)]:
-                try:  # the ranks only (the node's other children are hivemind's DHT, averagers and p2pd)
+                try:  # the ranks only (the node's other children are hivemind's DHT and p2pd)
                     with open(f"/proc/{pid}/environ", "rb") as f:
                         env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
                     if pid != self.pid and b"RANK" not in env:

@@ -18,7 +18,6 @@ import asyncio
 import atexit
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -97,14 +96,7 @@ class AttachedIsland:
             self._stop_loop()
             raise IslandError(str(e)) from None
         self._shutdown: Shutdown | None = None
-        if threading.current_thread() is not threading.main_thread():
-            self._stop_loop()
-            raise IslandError("attach from the main thread: the swarm's averagers set signal handlers as they start")
-        sigint = signal.getsignal(signal.SIGINT)
-        try:
-            self._run = self._call(self._start(), timeout_s=START_TIMEOUT_S, starting=True)
-        finally:
-            signal.signal(signal.SIGINT, sigint)  # hivemind's averagers ignore SIGINT as they start: Ctrl-C is the caller's
+        self._run = self._call(self._start(), timeout_s=START_TIMEOUT_S, starting=True)
         self._tell_ranks()
         atexit.register(self.close)
 
@@ -229,7 +221,7 @@ class AttachedIsland:
                 raise StartupError(str(e)) from None
             out = Outputs.open(island.cfg, island.run_dir, network)
             out.progress.note(island.listening(network))
-            await island._build_task(self._shutdown, network, out, self._run_torch, in_main_thread=self._run_torch)
+            await island._build_task(self._shutdown, network, out, self._run_torch)
             core, trainer, state = await island._join(self._shutdown, network, role, out, self._run_torch)
         except BaseException:
             if out is not None:

@@ -40,7 +40,6 @@ InnerOpt = Literal["adamw", "shampoo"]
 Role = Literal["island", "satellite"]
 ProgressMode = Literal["auto", "bar", "lines", "off"]
 Parallel = Literal["ddp", "fsdp"]
-RoundsEngine = Literal["hivemind", "direct"]
 
 DEFAULT_LR = {"adamw": 3e-3, "shampoo": 3e-3}
 
@@ -119,13 +118,9 @@ class NetConfig:
         None, "file with the shared secret that admits a peer to the swarm (every island of the run uses the same; "
         "make one with: islands-node keygen PATH)", metavar="PATH",
     )
-    rounds: RoundsEngine = _opt(
-        "direct", "what carries the fragments' rounds: direct, the project's own protocol over TCP between islands, "
-        "or hivemind's averager (every island of a run uses the same)",
-    )
-    data_listen: str = _opt("0.0.0.0:0", "with --rounds direct: HOST:PORT the round transport listens on (port 0: any free one)", metavar="HOST:PORT")
+    data_listen: str = _opt("0.0.0.0:0", "HOST:PORT the round transport listens on (port 0: any free one)", metavar="HOST:PORT")
     data_announce: str | None = _opt(
-        None, "with --rounds direct: HOST:PORT the other islands dial for rounds (default: the listen port at this "
+        None, "HOST:PORT the other islands dial for rounds (default: the listen port at this "
         "node's first announced or visible IPv4 address), or p2p for an island that cannot be dialled (behind NAT): "
         "the others then reach its rounds over libp2p streams, and it listens on no port of its own", metavar="HOST:PORT|p2p",
     )
@@ -157,8 +152,6 @@ class NetConfig:
             parse_contact(self.contact)  # ValueError names the spec and the accepted forms
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if self.rounds not in typing.get_args(RoundsEngine):
-            raise ValueError(f"rounds must be hivemind or direct, got {self.rounds!r}")
         for name in ("data_listen", "data_announce"):
             value = getattr(self, name)
             if name == "data_announce" and value == P2P_ADDRESS:

@@ -37,7 +37,7 @@ class IslandCore:
         """`params`: the model's parameters by name, at the run's initialisation (the agreed values
         start from them); `totals`: the run's counters, which the core adds its rounds to;
         `rounds`: what averages a contribution with the other islands (default: the network's
-        hivemind averagers)."""
+        rounds, node/net/direct.py)."""
         self.cfg = cfg
         self.params = params
         self.network = network

@@ -47,7 +47,7 @@ def _data_seed(cfg: Config, shard: int) -> int:
 
 
 def _shapes(model: torch.nn.Module, layout: Sequence[Sequence[str]]) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """(name, shape) of every parameter, per fragment (what the averagers exchange)."""
+    """(name, shape) of every parameter, per fragment (what the rounds exchange)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return [[(n, shapes[n]) for n in names] for names in layout]
 
@@ -271,7 +271,7 @@ class Island:
             raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
         self.resume = None
 
-    async def _build_task(self, shutdown: Shutdown, network: Network, out: Outputs, run_torch, in_main_thread=None) -> None:
+    async def _build_task(self, shutdown: Shutdown, network: Network, out: Outputs, run_torch) -> None:
         """--task: choose the island's data shard, build the task on every rank (rank 0 tells the others
         the shard), then check its checkpoint and join the run with the task's manifest."""
         cfg = self.cfg
@@ -302,7 +302,7 @@ class Island:
         )
         self._load_checkpoint()
         try:
-            await network.start(self.manifest, self.shapes, in_main_thread)
+            await network.start(self.manifest, self.shapes)
         except (ManifestMismatch, NetworkError) as e:
             raise StartupError(str(e)) from None
 

@@ -10,11 +10,10 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from islands.node.net.authorizer import RefusalLog
-from islands.node.net.averaging import FragmentAveraging
 from islands.node.net.dht import SwarmDHT, dht_now
 from islands.node.net.direct import DirectRounds
 from islands.node.net.signing import IdentityError, load_identity
@@ -51,6 +50,10 @@ from .roles import IslandRole, SatelliteRole
 from .timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
+
+ROUNDS = "direct"
+"""What carries the rounds, in the run's manifest: the own protocol. Nodes of older versions that
+ran rounds over hivemind's averager (`"hivemind"`) cannot join a run of this one, nor it theirs."""
 
 
 class ManifestMismatch(Exception):
@@ -92,10 +95,8 @@ class Network:
         self.timeouts = Timeouts.from_config(cfg)
         self.status = Status(next_sync=[0] * cfg.diloco.fragments, last_sync=[{} for _ in range(cfg.diloco.fragments)])
         self.dht: SwarmDHT | None = None
-        self.averaging: FragmentAveraging | None = None
-        self.rounds: FragmentAveraging | DirectRounds | None = None
-        """What the island's rounds go through (node/sync.py's `Rounds`): the own protocol
-        (`--rounds direct`), or hivemind's averagers (`--rounds hivemind`: then also `averaging`)."""
+        self.rounds: DirectRounds | None = None
+        """What the island's rounds go through (node/sync.py's `Rounds`): the own protocol."""
         self.plane: DataPlane | None = None
         self.data_address: str | None = None
         self.peers: dict[str, IslandRecord] = {}
@@ -167,34 +168,14 @@ class Network:
         _ = self.dht.peer_id  # cached by hivemind after the first call
         self._swarm_key = swarm_key
 
-    async def start(
-        self, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]],
-        in_main_thread: Callable[[Callable], Awaitable] | None = None,
-    ) -> None:
-        """Join the run: check (or write) its manifest, start averaging the fragments of these
-        shapes, publish this island's record and keep it fresh. Opens the DHT first if need be.
-        `in_main_thread(fn)`: runs `fn` in the process's main thread, where this event loop does not
-        run (`attach`): hivemind's averagers set a signal handler as they start."""
+    async def start(self, manifest: dict, shapes: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+        """Join the run: check (or write) its manifest, open the rounds of the fragments of these
+        shapes, publish this island's record and keep it fresh. Opens the DHT first if need be."""
         if self.dht is None:
             await self.open()
-        self.manifest, self.shapes = {**manifest, "rounds": self.cfg.net.rounds}, shapes
-        swarm_key = self._swarm_key
+        self.manifest, self.shapes = {**manifest, "rounds": ROUNDS}, shapes
         await self._check_manifest()
-        if self.cfg.net.rounds == "direct":
-            await self._open_direct(swarm_key)
-        else:
-            def averaging() -> FragmentAveraging:  # in the main thread: hivemind's averagers set signal handlers as they start
-                return FragmentAveraging(
-                    self.dht.dht, self.dht.namespace, self.shapes, self.cfg.diloco.compression,
-                    self.expected_group, self.timeouts,
-                    peer_progress=self.peer_progress, arrival=self.arrival_s, refresh_peers=self.read_peers, overlap=self.cfg.diloco.tau,
-                    follower=self.role.satellite, swarm_key=swarm_key, on_refused=self.refusals,
-                    deposit_targets=self.deposit_targets,
-                )
-
-            self.averaging = averaging() if in_main_thread is None else await in_main_thread(averaging)
-            self.rounds = self.averaging
-            await self.averaging.open_deposits(self.dht.dht)
+        await self._open_direct(self._swarm_key)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
 
@@ -261,7 +242,7 @@ class Network:
         return self.cfg.net.match_wait_s + 1.0
 
     def report(self) -> None:
-        """Pass on the refusals and bans seen since the last call (from the DHT's and averagers' processes too)."""
+        """Pass on the refusals and bans seen since the last call (from the DHT's process too)."""
         for what in self.refusals.drain():
             self.on_refused(what)
         if self.rounds is not None:
@@ -282,9 +263,6 @@ class Network:
         self.report()
         if self._out_of_contact() and self.status.state != "left":
             return  # a satellite out of contact reaches nobody
-        if self.averaging is not None and self.status.state == "training" and self.role.serves_state:
-            for averager in self.averaging.averagers:
-                averager.state_sharing_priority = float(self.status.step)
         try:
             await self.dht.store_island(self.record())
             if self.status.state != "left" and self.manifest is not None:
@@ -447,11 +425,8 @@ class Network:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         await self.withdraw()
-        if isinstance(self.rounds, DirectRounds):
+        if self.rounds is not None:
             await self.rounds.close()
-        if self.averaging is not None:
-            await self.averaging.close_deposits()
-            await asyncio.to_thread(self.averaging.shutdown)
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
 

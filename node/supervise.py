@@ -1,6 +1,6 @@
 """Nothing outlives the node: a watchdog that takes the node's process group down if the node dies.
 
-hivemind's DHT and averagers are child processes, and p2pd is their child; a
+hivemind's DHT is a child process, and p2pd is its child; a
 SIGKILL of the node would leave them running as a ghost peer that still
 answers. The watchdog is forked first thing; it waits for the node to exit
 and, unless the node said goodbye (a clean exit has already shut its

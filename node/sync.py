@@ -33,8 +33,8 @@ END_LOOKS = 3
 
 class Rounds(Protocol):
     """Averaging one contribution with the islands of its round, and the state transfers around
-    it: the seam between the island core and a transport (today hivemind's averagers,
-    node/net/averaging.py; in tests, tests/fakes.py)."""
+    it: the seam between the island core and a transport (node/net/direct.py; in tests,
+    tests/fakes.py)."""
 
     def prefetch(self) -> None: ...
 
@@ -42,7 +42,7 @@ class Rounds(Protocol):
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult: ...
 
-    async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None: ...
+    async def download(self, fragment: int, timeout_s: float, values_only: bool = False) -> tuple[dict, list] | None: ...
 
     def fold_deposits(self, contribution: Contribution) -> Contribution: ...
 
@@ -54,15 +54,21 @@ class Rounds(Protocol):
     def share_state(self, provider: Callable[[int], tuple[dict, list]], priority: float) -> None: ...
 
 
-async def download_state(rounds: Rounds, diloco: StreamingDiLoCo, fragment: int, timeout_s: float) -> tuple[dict, dict, dict] | str:
+async def download_state(
+    rounds: Rounds, diloco: StreamingDiLoCo, fragment: int, timeout_s: float, values_only: bool = False,
+) -> tuple[dict, dict, dict | None] | str:
     """(metadata, agreed values, momentum) of a fragment from the island of highest priority that
-    answers, checked against this island's layout, or why none came."""
-    item = await rounds.download(fragment, timeout_s=timeout_s)
+    answers, checked against this island's layout, or why none came; `values_only` (a satellite
+    after its deposit): the values, compressed, and no momentum (None)."""
+    item = await rounds.download(fragment, timeout_s=timeout_s, values_only=values_only)
     if item is None:
         return "no state came"
     meta, tensors = item
     try:
-        g, m = diloco.state_from_tensors(fragment, tensors)
+        if values_only:  # the values checked as both halves of a state
+            g, m = diloco.state_from_tensors(fragment, [*tensors, *tensors])[0], None
+        else:
+            g, m = diloco.state_from_tensors(fragment, tensors)
         int(meta["round"]), int(meta["step"])
     except (ValueError, KeyError, TypeError) as e:
         return f"the state from {meta.get('peer_id')} does not fit: {e}"
@@ -206,21 +212,22 @@ class FragmentSync:
             }
         )
 
-    async def _download(self, fragment: int) -> tuple[dict, dict, int, int] | str:
-        """The fragment's (agreed values, momentum, round, bytes) from the island of highest
-        priority that answers, or why none came."""
-        got = await download_state(self.averager, self.diloco, fragment, self.timeouts.download_s)
+    async def _download(self, fragment: int, values_only: bool = False) -> tuple[dict, dict | None, int, int] | str:
+        """The fragment's (agreed values, momentum, round, bytes on the wire) from the island of
+        highest priority that answers, or why none came (`values_only`: see download_state)."""
+        got = await download_state(self.averager, self.diloco, fragment, self.timeouts.download_s, values_only)
         if isinstance(got, str):
             return got
         meta, g, m = got
-        return g, m, int(meta["round"]), state_bytes(g, m)
+        return g, m, int(meta["round"]), int(meta.get("wire_bytes", state_bytes(g, m or {})))
 
     async def _take_swarm(self, fragment: int, c: Contribution) -> int:
-        """After a deposit: the fragment's agreed values, momentum and round from an island, then
-        mix; the bytes downloaded. If none came, the satellite's own values at the deposit become
+        """After a deposit: the fragment's agreed values (compressed: download_state) and round from
+        an island, then mix; the bytes downloaded. The satellite keeps its momentum (it never takes
+        an outer step). If none came, the satellite's own values at the deposit become
         its base, so that its next delta holds only what it trained since (the deposit counted the rest)."""
         d = self.diloco
-        got = await self._download(fragment)
+        got = await self._download(fragment, values_only=True)
         if isinstance(got, str):
             logger.warning("fragment %d: no swarm state after a deposit (%s); own values are the base", fragment, got)
             own = {n: d.globals[fragment][n] - c.delta[n] for n in c.delta}
@@ -229,7 +236,7 @@ class FragmentSync:
         g, m, donor_round, nbytes = got
 
         def take() -> None:
-            d.replace(fragment, g, m, round_=donor_round)
+            d.replace(fragment, g, d.momentum[fragment], round_=donor_round)
             d.mix_local(fragment, self.params)
 
         await self._run_torch(take)

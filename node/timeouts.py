@@ -1,6 +1,5 @@
 """The bounds the node puts on waiting for the network or its ranks, in one place. Left where they
-are: the grace periods inside hivemind's machinery in node/net (an averager's shutdown 2 s, handing
-it a round's key 10 s, a state download's thread +5 s, matchmaking's minimum time) and the relay's."""
+are: the grace periods inside hivemind's DHT and the relay's."""
 
 from __future__ import annotations
 

@@ -9,13 +9,14 @@ keys derived from the secret (HMAC-SHA256, one key per use):
   peer without the key can neither bootstrap from, read from nor store to the
   swarm's DHT. Replays are refused by time and nonce, as hivemind's own
   token authorizer does.
-- **Names**: the run's DHT keys and the averagers' matchmaking prefixes carry
-  a tag derived from the secret (`namespace`), so they cannot be guessed.
-- **Rounds**: hivemind's authorizer does not cover averaging RPCs. Every
-  member puts `admission_tag(peer id, group key)` into its join request; a
-  leader refuses a join without a valid tag for the caller's libp2p peer id
-  (authenticated by the transport), and after a round every member checks
-  every other member's tag (`untagged_members`).
+- **Names**: the run's DHT keys and libp2p protocol names carry a tag derived
+  from the secret (`namespace`), so they cannot be guessed.
+- **Rounds**: the data plane's handshake binds both peers' identity keys to a
+  key derived from the secret, and every chunk is sealed with it
+  (node/net/transport.py).
+- **Deposits and state downloads** (libp2p streams, whose peer ids libp2p
+  authenticates): the request carries `admission_tag(peer id, what)`, which
+  the island checks for the caller's peer id before it reads or sends values.
 
 Pure functions; the authorizer that applies them to DHT calls is in authorizer.py.
 """
@@ -27,7 +28,6 @@ import hmac
 import os
 import secrets
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 
 MIN_KEY_BYTES = 16
@@ -82,18 +82,11 @@ def namespace(run_id: str, secret: bytes | None) -> str:
     return f"{run_id}-{derive(secret, 'namespace:' + run_id)[:8].hex()}"
 
 
-def admission_tag(round_key: bytes, peer_id: str, group_key: str) -> str:
-    """What a member shows to be admitted to one round (group key) as one peer."""
-    return hmac.new(round_key, f"{peer_id}|{group_key}".encode(), hashlib.sha256).digest()[:TAG_BYTES].hex()
+def admission_tag(round_key: bytes, peer_id: str, what: str) -> str:
+    """What a peer shows to be admitted to one exchange (`what`: a deposit's round, a fragment's
+    state) as one peer."""
+    return hmac.new(round_key, f"{peer_id}|{what}".encode(), hashlib.sha256).digest()[:TAG_BYTES].hex()
 
 
-def tag_valid(round_key: bytes, peer_id: str, group_key: str, tag: object) -> bool:
-    return isinstance(tag, str) and hmac.compare_digest(admission_tag(round_key, peer_id, group_key), tag)
-
-
-def untagged_members(round_key: bytes, group_key: str, gathered: Mapping[str, object]) -> list[str]:
-    """Members (peer id -> gathered metadata) of a round that did not show a valid tag for it."""
-    return [
-        peer for peer, meta in gathered.items()
-        if not (isinstance(meta, Mapping) and tag_valid(round_key, peer, group_key, meta.get("auth")))
-    ]
+def tag_valid(round_key: bytes, peer_id: str, what: str, tag: object) -> bool:
+    return isinstance(tag, str) and hmac.compare_digest(admission_tag(round_key, peer_id, what), tag)

@@ -31,6 +31,8 @@ from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
 
 CODECS = ("none", "fp16", "int8")
 _LEN = struct.Struct("!I")
+HEAD_BYTES = _LEN.size
+"""A part starts with the length of its meta in this many bytes."""
 MAX_META_BYTES = 1 << 16
 REDUCE_BLOCK = 1 << 18
 """Values reduced at a time: every part's slice of a block stays in cache while it is added (a
@@ -81,6 +83,17 @@ def part_bytes(numel: int, codec: str) -> int:
     raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
 
 
+def values_codec(compression: str) -> str:
+    """The codec a satellite downloads the agreed values in after its deposit (a joiner's download
+    is exact): the run's, but fp16 where it is int8, because int8 on values (not on a small update)
+    is an error of ~1/255 of each block's range, which spoiled the agreed model when consensus
+    rounds averaged values in it (bench.parity, int8: 2.2551 against 2.1692 for the local model);
+    fp16 is ~5e-4 of each value."""
+    if compression not in CODECS:
+        raise ValueError(f"unknown codec {compression!r}; one of {', '.join(CODECS)}")
+    return "none" if compression == "none" else "fp16"
+
+
 def _pad4(n: int) -> int:
     return n + (-n) % 4
 
@@ -114,25 +127,41 @@ def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
 
 
-def _decode_meta(data: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
-    """(meta, the values' bytes) of a part; PartError if it is malformed."""
-    view = memoryview(data).cast("B")
-    if len(view) < _LEN.size:
+def meta_length(head: bytes | bytearray | memoryview) -> int:
+    """Bytes of a part's meta, read from its first `HEAD_BYTES`; PartError if more than a part's
+    meta may have (a stream reads this much more before it knows the part's size)."""
+    if len(head) < HEAD_BYTES:
         raise PartError("a part shorter than its header")
-    (n,) = _LEN.unpack(view[: _LEN.size])
-    if n > MAX_META_BYTES or _LEN.size + n > len(view):
+    (n,) = _LEN.unpack(bytes(head[:HEAD_BYTES]))
+    if n > MAX_META_BYTES:
+        raise PartError(f"a part's meta of {n} bytes is too long")
+    return n
+
+
+def read_meta(head: bytes | bytearray | memoryview) -> tuple[dict, int]:
+    """(meta, the whole part's size in bytes) from a part's first bytes (its header and meta, at
+    least): how a reader of a stream knows how much to read, and can refuse it before."""
+    view = memoryview(head).cast("B")
+    n = meta_length(view)
+    if HEAD_BYTES + n > len(view):
         raise PartError(f"a part's meta of {n} bytes does not fit")
     try:
-        meta = json.loads(bytes(view[_LEN.size : _LEN.size + n]))
+        meta = json.loads(bytes(view[HEAD_BYTES : HEAD_BYTES + n]))
         weight, codec, numel = float(meta["weight"]), str(meta["codec"]), int(meta["numel"])
     except (ValueError, KeyError, TypeError) as e:
         raise PartError(f"a part's meta is malformed: {e}") from None
     if not (math.isfinite(weight) and weight >= 0) or numel < 0 or codec not in CODECS:
         raise PartError(f"a part with weight {weight}, {numel} values, codec {codec!r}")
-    body = view[_LEN.size + n :]
-    if len(body) != part_bytes(numel, codec):
-        raise PartError(f"a part of {numel} values in {codec} is {part_bytes(numel, codec)} bytes, got {len(body)}")
-    return meta, body
+    return meta, HEAD_BYTES + n + part_bytes(numel, codec)
+
+
+def _decode_meta(data: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
+    """(meta, the values' bytes) of a part; PartError if it is malformed."""
+    view = memoryview(data).cast("B")
+    meta, size = read_meta(view)
+    if len(view) != size:
+        raise PartError(f"a part of {meta['numel']} values in {meta['codec']} is {size} bytes, got {len(view)}")
+    return meta, view[HEAD_BYTES + meta_length(view) :]
 
 
 def _values(meta: dict, body: memoryview, start: int, stop: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ class IslandRecord:
     """At the end of a run (FragmentSync.agree): {"check": n, "fp": one fingerprint per fragment of
     its agreed values} after its n-th look, so that every island decides alike which fragments to heal."""
     data: str | None = None
-    """"HOST:PORT" of the island's round transport (node/net/transport.py; `--rounds direct`), or
+    """"HOST:PORT" of the island's round transport (node/net/transport.py), or
     P2P_ADDRESS for one reached over libp2p streams."""
 
     def to_value(self) -> dict:

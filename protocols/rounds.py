@@ -1,5 +1,5 @@
 """A round of the project's own averaging protocol, sans-IO: its members, what each must hold, and
-when it commits or aborts (issue 17; the data path of `--rounds direct`, node/net/transport.py).
+when it commits or aborts (issue 17; its data path: node/net/transport.py).
 
 A round is (fragment, number). Its members are the live islands whose records advertise it; a
 satellite never is one. Every member contributes one *part* — its weighted contribution, encoded

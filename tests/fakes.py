@@ -217,7 +217,7 @@ class FakeRounds:
         if g.failed or self.hub.split.get((c.fragment, c.round)) == me:
             return failed
         members = list(g.given.values())
-        weights = [max(m.weight, STALE_WEIGHT) for m in members]  # as the real rounds: hivemind needs a positive weight
+        weights = [max(m.weight, STALE_WEIGHT) for m in members]  # as the real rounds: a stale member weighs ~0, not 0
         total = sum(weights)
         delta = {n: sum(m.delta[n] * (w / total) for m, w in zip(members, weights, strict=True)) for n in c.delta}
         # the node's own check of a round's result (protocols/validation.py), as the real rounds run it
@@ -243,7 +243,7 @@ class FakeRounds:
     def share_state(self, provider: Callable, priority: float) -> None:
         self.hub.states[self.network.peer_id] = (provider, self.network)
 
-    async def download(self, fragment: int, timeout_s: float) -> tuple[dict, list] | None:
+    async def download(self, fragment: int, timeout_s: float, values_only: bool = False) -> tuple[dict, list] | None:
         """From the donor furthest ahead (the node's refresh sets a donor's priority to its step)."""
         me = self.network.peer_id
         donors = [
@@ -253,7 +253,8 @@ class FakeRounds:
         if not donors:
             return None
         _, peer = max(donors)
-        return self.hub.states[peer][0](fragment)
+        meta, tensors = self.hub.states[peer][0](fragment)
+        return meta, tensors[: len(tensors) // 2] if values_only else tensors
 
 
 class Events:

@@ -1,4 +1,4 @@
-"""Training rounds over the project's own protocol (node/net/direct.py, `--rounds direct`): the
+"""Training rounds over the project's own protocol (node/net/direct.py): the
 islands' `Rounds` over real data planes on 127.0.0.1, in one process, with the membership given."""
 
 import asyncio
@@ -178,17 +178,71 @@ def test_a_joiner_downloads_a_fragments_state_from_the_first_donor_that_gives_it
                 got = await taker.fetch([empty.peer_id, donor.peer_id], 1, timeout_s=20)
                 none = await stranger.fetch([donor.peer_id], 1, timeout_s=10)
                 wrong = await taker.fetch([donor.peer_id], 0, timeout_s=10)  # its tensors do not fit fragment 0
-                return got, none, wrong, refused
+                values = await taker.fetch([donor.peer_id], 1, timeout_s=20, codec="fp16", momentum=False)  # a satellite's
+                return got, none, wrong, values, refused
             finally:
                 await giver.close()
                 await nothing.close()
 
-        got, none, wrong, refused = asyncio.run(scenario())
+        got, none, wrong, values, refused = asyncio.run(scenario())
         meta, tensors = got
         assert meta["round"] == 2 and meta["peer_id"] == donor.peer_id
         assert all(torch.equal(a, b) for a, b in zip(tensors, state, strict=True))
+        assert 0 < meta["wire_bytes"] - 2 * part_bytes(100, "none") < 200  # values and momentum, each with its meta
         assert none is None and wrong is None
         assert any("no valid tag" in why for why in refused), refused
+        meta, tensors = values
+        assert len(tensors) == 1 and torch.equal(tensors[0], state[0].half().float())
+        assert 0 < meta["wire_bytes"] - part_bytes(100, "fp16") < 100  # the values only, in half the bytes
+    finally:
+        for d in reversed(dhts):
+            d.shutdown()
+
+
+def test_a_satellite_deposits_in_the_runs_codec_and_a_stranger_or_a_wrong_deposit_is_refused_before_its_values():
+    """Over libp2p (node/net/deposit.py): the island keeps a deposit of the key's holder (int8, within
+    its bound); one without the key, for no such fragment or of another size is refused and logged."""
+    from islands.node.net.deposit import DepositBox, DepositRefused
+    from islands.node.net.dht import SwarmDHT
+    from islands.protocols.admission import derive
+
+    round_key = derive(KEY, "rounds")
+    dhts = []
+    try:
+        dhts.append(SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        dhts.append(SwarmDHT.start("t", host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].visible_maddrs()))
+        island, satellite = dhts
+        delta = {n: torch.randn(s, generator=torch.Generator().manual_seed(7)) for n, s in SHAPES[0]}
+
+        async def scenario():
+            refused = []
+            box = DepositBox(await island.dht.replicate_p2p(), "t", SHAPES, "int8", round_key, on_refused=refused.append)
+            sender = DepositBox(await satellite.dht.replicate_p2p(), "t", SHAPES, "int8", round_key)
+            stranger = DepositBox(await satellite.dht.replicate_p2p(), "t", SHAPES, "int8", None)
+            await box.open()
+            why = []
+            try:
+                sent = await sender.send(island.peer_id, 0, 4, delta, 12.5, 1, timeout_s=20)
+                for attempt in (
+                    lambda: stranger.send(island.peer_id, 0, 4, delta, 1.0, 0, timeout_s=20),
+                    lambda: sender.send(island.peer_id, 1, 4, {"v": torch.zeros(99)}, 1.0, 0, timeout_s=20),
+                ):
+                    try:
+                        await attempt()
+                    except DepositRefused as e:
+                        why.append(str(e))
+                return sent, box.take(0), box.take(1), why, refused
+            finally:
+                await box.close()
+
+        sent, kept, none, why, refused = asyncio.run(scenario())
+        [d] = kept
+        assert (d.fragment, d.round, d.weight, d.staleness, d.peer) == (0, 4, 12.5, 1, satellite.peer_id)
+        for n, t in delta.items():
+            assert d.delta[n].shape == t.shape and (d.delta[n] - t).abs().max() <= t.abs().max() / 127 + 1e-6
+        assert sent == d.nbytes and sent < 64 * 32 * 4 / 3  # int8: a byte a value and a scale a block
+        assert none == [] and len(why) == 2 and "no valid tag" in why[0] and "99 values" in why[1], why
+        assert len(refused) == 2, refused
     finally:
         for d in reversed(dhts):
             d.shutdown()

@@ -119,7 +119,7 @@ def test_join_mid_run_and_survive_a_crash(nodes, tmp_path):
     assert joined["step"] > 60 and joined["state_from"] in (a.of("started")[0]["peer_id"], b.of("started")[0]["peer_id"])
     assert joined["bytes"] > 0
     b.wait_for(_step_at_least(101), 120, "B past step 100")
-    # only B's main process: its watchdog must take the DHT, the averagers and p2pd down with it
+    # only B's main process: its watchdog must take the DHT and p2pd down with it
     assert any("p2pd" in open(f"/proc/{p}/comm").read() for p in _group(b.proc.pid) if os.path.exists(f"/proc/{p}/comm"))
     os.kill(b.proc.pid, signal.SIGKILL)
     b.proc.wait(timeout=10)

@@ -161,14 +161,14 @@ def _group(pgid: int) -> set[int]:
 
 
 def test_sigkill_of_the_node_takes_its_daemons_down(nodes, tmp_path):
-    """No ghost peer: hivemind's DHT, averagers and p2pd go when the node is killed."""
+    """No ghost peer: hivemind's DHT and p2pd go when the node is killed."""
     import os
     import time
 
     node = nodes(["--steps", "100000", *SMALL, "--listen", "/ip4/127.0.0.1/tcp/0"], tmp_path / "k")
     node.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3, 90, "step 3")
     pgid = node.proc.pid
-    assert len(_group(pgid)) >= 4  # node, watchdog, DHT, p2pd, averagers
+    assert len(_group(pgid)) >= 4  # node, watchdog, DHT, p2pd
     os.kill(node.proc.pid, signal.SIGKILL)
     node.proc.wait(timeout=10)
     deadline = time.monotonic() + 15

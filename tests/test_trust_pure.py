@@ -19,7 +19,6 @@ from islands.protocols.admission import (
     load_swarm_key,
     namespace,
     tag_valid,
-    untagged_members,
     write_swarm_key,
 )
 from islands.protocols.validation import (
@@ -61,19 +60,17 @@ def test_keys_for_different_purposes_and_runs_differ(tmp_path):
     assert derive(SECRET, "dht") != derive(SECRET, "rounds") != derive(other, "dht")
     assert namespace("run", None) == "run"
     assert namespace("run", SECRET) != namespace("run", other) and namespace("run", SECRET).startswith("run-")
-    assert "." not in namespace("run", SECRET)  # hivemind's averager prefixes may not contain dots
+    assert "." not in namespace("run", SECRET)  # a plain name: it prefixes DHT keys and libp2p protocol names
 
 
-def test_round_admission_tags_bind_peer_and_group():
+def test_admission_tags_bind_peer_and_what_they_admit_to():
     key = derive(SECRET, "rounds")
     tag = admission_tag(key, "QmA", "run:frag0.0b01")
     assert tag_valid(key, "QmA", "run:frag0.0b01", tag)
     assert not tag_valid(key, "QmB", "run:frag0.0b01", tag)  # another peer cannot reuse it
-    assert not tag_valid(key, "QmA", "run:frag1.0b01", tag)  # nor in another group
+    assert not tag_valid(key, "QmA", "run:frag1.0b01", tag)  # nor for another exchange
     assert not tag_valid(derive(b"x" * 32, "rounds"), "QmA", "run:frag0.0b01", tag)
     assert not tag_valid(key, "QmA", "run:frag0.0b01", None) and not tag_valid(key, "QmA", "run:frag0.0b01", 7)
-    gathered = {"QmA": {"auth": tag}, "QmB": {"auth": "00"}, "QmC": "garbage"}
-    assert untagged_members(key, "run:frag0.0b01", gathered) == ["QmB", "QmC"]
 
 
 def _roundtrip(client: SwarmKeyAuthorizer, server: SwarmKeyAuthorizer):

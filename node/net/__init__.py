@@ -1,3 +1,3 @@
-"""The network side of the node: hivemind's DHT, averagers, authorizer and identities, and the
-satellites' deposit service. Decisions they take are in `islands.protocols` (pure); these
+"""The network side of the node: hivemind's DHT, authorizer and identities, the rounds' own
+protocol and data plane, the satellites' deposits and the state downloads. Decisions they take are in `islands.protocols` (pure); these
 modules carry them out over the wire."""

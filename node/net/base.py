@@ -3,8 +3,8 @@ update validation (norm history per fragment, the peers' reputation, bans to rep
 satellites' deposits (deposit.py: folded into an island's contribution, or sent by a satellite),
 and reading the island records just before a round.
 
-Its subclasses: `FragmentAveraging` (averaging.py, hivemind's averagers: `--rounds hivemind`) and
-`DirectRounds` (direct.py, the project's own protocol: `--rounds direct`).
+Its subclass: `DirectRounds` (direct.py, the project's own protocol); in tests, tests/fakes.py has
+its own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind import DHT
-from hivemind.compression import CompressionBase
 from islands.node.timeouts import Timeouts
 from islands.protocols.admission import derive
 from islands.protocols.diloco import Contribution, RoundResult
@@ -29,26 +28,25 @@ logger = logging.getLogger(__name__)
 
 STALE_WEIGHT = 1e-6
 """A member whose base is stale takes part in a round with this weight: its delta counts ~0, and
-the weights stay positive (hivemind needs that)."""
+the weights stay positive (a part's weight may be 0, but a round of zero total weight has no mean)."""
 
 
 class RoundsBase:
     def __init__(
-        self, namespace: str, shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]], compression: str, codec: CompressionBase,
+        self, namespace: str, shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]], compression: str,
         timeouts: Timeouts | None = None, follower: bool = False, swarm_key: bytes | None = None,
         on_refused: Callable[[str], None] | None = None, deposit_targets: Callable[[], list[str]] | None = None,
         refresh_peers: Callable[[], Awaitable[None]] | None = None,
     ):
         """`follower` (satellites): never a member of a round; `average` deposits the contribution with
         one of `deposit_targets()` (islands, in the order to try) instead (deposit.py).
-        `namespace`: the run's DHT prefix (admission.namespace); `swarm_key`: deposits (and hivemind's
-        rounds) admit only peers that show a tag made with it; `on_refused(what)` hears of every
+        `namespace`: the run's DHT prefix (admission.namespace); `swarm_key`: deposits and state
+        downloads admit only peers that show a tag made with it; `on_refused(what)` hears of every
         refusal; `refresh_peers()`: reads the island records (bounded)."""
         self.namespace = namespace
         self.shapes = shapes
         self.names = [[n for n, _ in frag] for frag in shapes]
         self.compression = compression
-        self.codec = codec
         self.timeouts = timeouts or Timeouts()
         self.follower = follower
         self.round_key = None if swarm_key is None else derive(swarm_key, "rounds")
@@ -70,8 +68,8 @@ class RoundsBase:
         """Islands take satellites' deposits from now on; a satellite can send them."""
         p2p = await dht.replicate_p2p()
         self.deposits = DepositBox(
-            p2p, self.namespace, self.shapes, self.codec, self.round_key,
-            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused,
+            p2p, self.namespace, self.shapes, self.compression, self.round_key,
+            refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused, receive_s=self.timeouts.allreduce_s,
         )
         if not self.follower:
             await self.deposits.open()

@@ -1,4 +1,4 @@
-"""Rounds over the project's own protocol (`--rounds direct`, issue 17): a fragment's round is one
+"""Rounds over the project's own protocol (issue 17): a fragment's round is one
 run of protocols/rounds.py's state machine over the direct transport (transport.py).
 
 The members are this island and the live islands whose records publish a transport address and
@@ -12,8 +12,8 @@ and the others retry at once without it.
 A consensus round (the agreed values and momentum themselves, when the members' fingerprints
 differ) is a round of the same protocol among the same members, on its own channel (the fragment
 number + CONSENSUS in the frame), in fp32. The state a joiner, a rebasing member or a satellite
-downloads comes over libp2p (state.py), like the satellites' deposits (deposit.py): a peer that
-cannot be dialled can still dial. An island that cannot be dialled takes part in rounds over
+downloads comes over libp2p streams (state.py), like the satellites' deposits (deposit.py), both in
+the parts format (streams.py): a peer that cannot be dialled can still dial. An island that cannot be dialled takes part in rounds over
 libp2p streams (`--data-announce p2p`, DataPlane.reach).
 """
 
@@ -39,6 +39,7 @@ from islands.protocols.parts import (
     encode_slices,
     reduce_parts,
     take,
+    values_codec,
 )
 from islands.protocols.validation import (
     check_consensus,
@@ -50,7 +51,6 @@ from islands.protocols.validation import (
 )
 
 from .base import STALE_WEIGHT, RoundsBase
-from .codecs import compression_codec
 from .state import StateBox
 from .transport import DataPlane
 
@@ -81,7 +81,7 @@ class DirectRounds(RoundsBase):
         if plane is None and not follower:
             raise ValueError("an island's rounds need a transport")
         super().__init__(
-            namespace, shapes, compression, compression_codec(compression), timeouts, follower, swarm_key, on_refused,
+            namespace, shapes, compression, timeouts, follower, swarm_key, on_refused,
             deposit_targets, refresh_peers,
         )
         self.plane = plane
@@ -126,10 +126,11 @@ class DirectRounds(RoundsBase):
         if self.states is not None:
             self.states.provider = provider
 
-    async def download(self, fragment: int, timeout_s: float):
+    async def download(self, fragment: int, timeout_s: float, values_only: bool = False):
         if self.states is None:
             return None
-        return await self.states.fetch(self.donors(), fragment, timeout_s)
+        codec = values_codec(self.compression) if values_only else "none"
+        return await self.states.fetch(self.donors(), fragment, timeout_s, codec=codec, momentum=not values_only)
 
     # --- the rounds -----------------------------------------------------------------------------
 

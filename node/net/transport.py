@@ -1,6 +1,6 @@
 """The round protocol's data plane (issue 17): direct TCP between islands, authenticated and encrypted.
 
-The data path of `--rounds direct` (node/net/direct.py); `bench.allreduce`
+The data path of the islands' rounds (node/net/direct.py); `bench.allreduce`
 measures it side by side, and `tests/test_transport.py` runs rounds over it.
 
 - Each island listens on one TCP port. To send to a peer it dials a pool of `pool` connections to
