@@ -43,6 +43,14 @@ class PartError(ValueError):
     """A part that does not decode: its member is dropped from the reduction's checks."""
 
 
+class SliceSpoiled(PartError):
+    """A reduced slice longer than the slices it was reduced from allow: `owner` reduced it."""
+
+    def __init__(self, owner: str, why: str):
+        super().__init__(why)
+        self.owner = owner
+
+
 POOL_BYTES = 1 << 30
 """Most bytes of buffers `new_buffer` keeps for reuse."""
 _pool: list[mmap.mmap] = []
@@ -283,7 +291,9 @@ def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memo
     `order`): the slices' values as segments to be read end to end (views of the slices, not
     copied: `take`), the total weight, each member's meta (from the first slice: the same on every
     member) with `value_norm` summed over the slices. PartError if a slice says a piece was bad, or
-    the slices do not fit together."""
+    the slices do not fit together; SliceSpoiled if a slice is longer than the weighted mean of its
+    members' slices' lengths allows (what a slice's owner can still do undetected is move it within
+    that bound)."""
     decoded = [(peer, *_decode_meta(slices[peer])) for peer in order]
     for peer, meta, _ in decoded:
         if "error" in meta:
@@ -292,6 +302,14 @@ def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memo
             raise PartError(f"{peer}'s reduced slice is not one of {list(order)}")
     segments = [_values(meta, body, 0, int(meta["numel"])) for _, meta, body in decoded]
     first = decoded[0][1]
+    for (owner, meta, _), values in zip(decoded, segments, strict=True):
+        # a mean is no longer than the weighted mean of its terms' lengths (the triangle inequality):
+        # a slice beyond that was spoiled by the member that reduced it
+        total = float(meta["weight"])
+        bound = sum(float(first["metas"][p]["weight"]) / total * math.sqrt(float(meta["squares"][p])) for p in order) if total > 0 else 0.0
+        length = float(torch.linalg.vector_norm(values))
+        if math.isfinite(bound) and not length <= bound * (1 + 1e-5) + 1e-30:  # a non-finite piece: its sender's norm says so
+            raise SliceSpoiled(owner, f"{owner}'s reduced slice is {length:.4g} long, its members' slices allow {bound:.4g}")
     metas = {
         peer: {**first["metas"][peer], "value_norm": math.sqrt(sum(float(m["squares"][peer]) for _, m, _ in decoded))}
         for peer in order

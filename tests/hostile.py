@@ -4,9 +4,9 @@
 
 MODE `nan` sends NaN pseudo-gradients, `huge` random ones 1e3 times larger than
 any honest update, `mixed` alternates the two by round; `reducer` contributes
-honestly but returns the part of every round it reduces for the group (hivemind's
-butterfly all-reduce) 50 times too large. Everything else (DHT, records, swarm
-key, averaging) is the real node's.
+honestly but returns the slice of every round it reduces for the others (a reduce-scatter
+round: 3 or more islands, uncompressed) 50 times too large. Everything else (DHT, records,
+swarm key, rounds) is the real node's.
 """
 
 from __future__ import annotations
@@ -29,14 +29,19 @@ def main() -> int:
     if mode not in ("nan", "huge", "mixed", "reducer"):
         raise SystemExit(f"hostile: unknown mode {mode!r}")
     if mode == "reducer":
-        from hivemind.averaging.partition import TensorPartReducer
+        from islands.node.net import transport
+        from islands.protocols.parts import decode_part, encode_part
 
-        reduce = TensorPartReducer.accumulate_part
+        reduce = transport.reduce_slice
 
-        async def spoiled(self, *args, **kwargs):
-            return (await reduce(self, *args, **kwargs)) * 50
+        def spoiled(order, me, pieces):
+            meta, values = decode_part(reduce(order, me, pieces))
+            weight = meta.pop("weight")
+            for key in ("codec", "numel"):
+                meta.pop(key)
+            return encode_part(values * 50, weight, "none", meta)
 
-        TensorPartReducer.accumulate_part = spoiled  # before the averagers' processes fork
+        transport.reduce_slice = spoiled
     else:
         from islands.protocols.diloco import StreamingDiLoCo
 

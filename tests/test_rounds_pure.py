@@ -1,6 +1,7 @@
 """The round protocol's state machine, wire format and parts (protocols/rounds.py, wire.py, parts.py),
 and who the members of a round are (records.round_peers)."""
 
+import math
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from islands.protocols.compression import BLOCK
 from islands.protocols.parts import (
     PartError,
+    SliceSpoiled,
     assemble,
     decode_part,
     encode_part,
@@ -411,6 +413,30 @@ def test_a_reduce_scatter_gives_the_all_gathers_mean(codec):
     for n in names:
         assert got_metas[n]["round"] == 7 and got_metas[n]["weight"] == weights[n]
         assert got_metas[n]["value_norm"] == pytest.approx(metas[n]["value_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("factor", [50.0, 1.5])
+def test_a_slice_spoiled_by_its_reducer_is_blamed_on_it(factor):
+    """A member that returns its reduced slice scaled (tests/hostile.py `reducer`) is named by every
+    member alike: a mean cannot be longer than its terms' weighted lengths."""
+    g = torch.Generator().manual_seed(5)
+    names = ["a", "b", "c"]
+    values = {n: torch.randn(BLOCK * 6, generator=g) + 3.0 for n in names}  # alike: the mean is nearly as long as each
+    cut = {n: encode_slices(values[n], 1.0 + "abc".index(n), "none", {}, names) for n in names}
+    reduced = {m: reduce_slice(names, m, {n: cut[n][m] for n in names}) for m in names}
+    assemble(names, reduced)  # honest: no complaint
+    meta, mean = decode_part(reduced["b"])
+    kept = {k: v for k, v in meta.items() if k not in ("weight", "codec", "numel")}
+    reduced["b"] = encode_part(mean * factor, meta["weight"], "none", kept)
+    with pytest.raises(SliceSpoiled) as e:
+        assemble(names, reduced)
+    assert e.value.owner == "b"
+    # a member's non-finite values are its own to answer for (their norm says so), not the reducer's
+    values["a"][3] = float("nan")
+    cut["a"] = encode_slices(values["a"], 1.0, "none", {}, names)
+    reduced = {m: reduce_slice(names, m, {n: cut[n][m] for n in names}) for m in names}
+    metas = assemble(names, reduced)[2]
+    assert math.isnan(metas["a"]["value_norm"]) and math.isfinite(metas["b"]["value_norm"])
 
 
 def test_segments_read_end_to_end_give_views_within_one_and_copies_across():

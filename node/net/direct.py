@@ -34,6 +34,7 @@ from islands.protocols.consensus import TOLERANCE, consensus_needed
 from islands.protocols.diloco import Contribution, RoundResult
 from islands.protocols.parts import (
     PartError,
+    SliceSpoiled,
     assemble,
     encode_part,
     encode_slices,
@@ -202,6 +203,8 @@ class DirectRounds(RoundsBase):
             )
         except PartError as e:  # every member holds the same parts: every member rejects alike
             logger.warning("fragment %d round %d: %s; applying own update", c.fragment, c.round, e)
+            if isinstance(e, SliceSpoiled) and e.owner != self.me:
+                self._ban([e.owner], [p for p in peers if p != e.owner])
             return dataclasses.replace(own, outcome="rejected", reason=str(e), seconds=time.monotonic() - started)
         seconds = time.monotonic() - started
         if not isinstance(outcome, sm.Commit):
@@ -266,6 +269,8 @@ class DirectRounds(RoundsBase):
             )
         except PartError as e:
             logger.warning("fragment %d consensus round %d: %s", fragment, round_, e)
+            if isinstance(e, SliceSpoiled) and e.owner != self.me:
+                self._ban([e.owner], [p for p in peers if p != e.owner])
             return None
         if not isinstance(outcome, sm.Commit):
             logger.info("fragment %d consensus round %d: no round: %s", fragment, round_, outcome.reason)
