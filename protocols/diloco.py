@@ -112,7 +112,7 @@ class RoundResult:
     deposited_with: str | None = None
     """A satellite's round: the island that took its deposit."""
     digest: str | None = None
-    """A committed round of the own protocol: a short hash of the parts reduced (equal on every member)."""
+    """A committed round: a short hash of its result (parts.result_digest; equal on every member)."""
     members: list[str] | None = None
     """A committed round of the own protocol: its members' peer ids."""
     attempts: int | None = None

@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -315,6 +316,17 @@ def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memo
         for peer in order
     }
     return segments, float(first["weight"]), metas
+
+
+def result_digest(segments: Sequence[torch.Tensor]) -> str:
+    """A short hash (CRC-32) of a round's result, its float32 values read end to end: the `sync`
+    event's `digest`, equal on every member of a committed round, whose results are bit-identical
+    (24 ms per 100 MB here; a cryptographic hash took 64-154 ms, and nothing here needs one: the
+    frames are authenticated on the wire)."""
+    crc = 0
+    for seg in segments:
+        crc = zlib.crc32(memoryview(seg.detach().to("cpu", torch.float32).contiguous().numpy()).cast("B"), crc)
+    return f"{crc:08x}"
 
 
 def take(segments: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:

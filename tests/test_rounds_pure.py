@@ -20,6 +20,7 @@ from islands.protocols.parts import (
     part_bytes,
     reduce_parts,
     reduce_slice,
+    result_digest,
     slice_bounds,
     take,
 )
@@ -437,6 +438,15 @@ def test_a_slice_spoiled_by_its_reducer_is_blamed_on_it(factor):
     reduced = {m: reduce_slice(names, m, {n: cut[n][m] for n in names}) for m in names}
     metas = assemble(names, reduced)[2]
     assert math.isnan(metas["a"]["value_norm"]) and math.isfinite(metas["b"]["value_norm"])
+
+
+def test_a_results_digest_is_of_its_values_however_they_are_cut():
+    whole = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    digest = result_digest([whole])
+    assert result_digest([whole[:300], whole[300:]]) == digest  # a reduce-scatter's slices, end to end
+    other = whole.clone()
+    other[999] = torch.nextafter(other[999], torch.tensor(2.0))  # one bit of one value
+    assert result_digest([other]) != digest and len(digest) == 8
 
 
 def test_segments_read_end_to_end_give_views_within_one_and_copies_across():

@@ -39,6 +39,7 @@ from islands.protocols.parts import (
     encode_part,
     encode_slices,
     reduce_parts,
+    result_digest,
     take,
     values_codec,
 )
@@ -214,9 +215,10 @@ class DirectRounds(RoundsBase):
         for key in [k for k in self._committed if k[0] == c.fragment and k[1] < c.round - 2]:
             del self._committed[key]
         delta = self._split(c.fragment, mean, c.delta)
+        digest = await asyncio.to_thread(result_digest, mean)
         result = RoundResult(
             outcome="ok", delta=delta, group_size=len(outcome.members), weight=total, bytes_sent=sent, bytes_recv=recv,
-            seconds=seconds, staleness=c.staleness, digest=outcome.parts, members=list(outcome.members), attempts=outcome.attempts,
+            seconds=seconds, staleness=c.staleness, digest=digest, members=list(outcome.members), attempts=outcome.attempts,
         )
         rounds = {m.get("round") for m in metas.values()}
         if rounds != {c.round}:
