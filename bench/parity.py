@@ -1,6 +1,6 @@
 """Quality and traffic against data parallelism, at equal tokens.
 
-    python -m bench.parity --out bench/results/parity.json [--steps 600] [--window 100] [--compression none fp16 int8]
+    python -m bench.parity --out bench/results/parity.json [--steps 600] [--window 100] [--compression none fp16 int8 int4 fp4]
 
 The same model (`tiny`), data (the standard library's sources) and total tokens, trained three ways:
 - dp: one process whose batch is the sum of the islands' batches, for the swarm's steps; it

@@ -18,7 +18,7 @@ from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradien
 from .schedule import Schedule, check_schedule, default_overlap
 from .validation import tensors_norm
 
-Compression = Literal["none", "fp16", "int8"]
+Compression = Literal["none", "fp16", "int8", "int4", "fp4"]
 Outcome = Literal["ok", "solo", "failed", "skipped_no_contact", "rejected"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
@@ -44,8 +44,8 @@ class DiLoCoConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.compression not in ("none", "fp16", "int8"):
-            raise ValueError(f"compression must be none, fp16 or int8, got {self.compression!r}")
+        if self.compression not in get_args(Compression):
+            raise ValueError(f"compression must be one of {', '.join(get_args(Compression))}, got {self.compression!r}")
 
     @property
     def tau(self) -> int:

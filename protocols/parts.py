@@ -9,7 +9,9 @@ A part is one member's weighted contribution, encoded once by its owner and neve
 step, fingerprint of the agreed values, staleness). The values, by codec:
 - "none": float32;  "fp16": float16;
 - "int8": int8 codes (blockwise absmax, protocols/compression.py), padded to 4 bytes, then one
-  float32 scale a block.
+  float32 scale a block of 256;
+- "int4", "fp4": 4-bit codes, two to a byte (the first in the low half), padded to 4 bytes, then
+  one float32 scale a block of 64 (compression.BLOCK4).
 Every member of a committed round holds the same parts (rounds.py) and reduces them in the same
 order in float32 (`reduce_parts`), so their results are bit-identical.
 """
@@ -28,9 +30,19 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .compression import BLOCK, dequantize_blockwise, quantize_blockwise
+from .compression import (
+    BLOCK,
+    BLOCK4,
+    dequantize_blockwise,
+    dequantize_fp4,
+    dequantize_int4,
+    quantize_blockwise,
+    quantize_fp4,
+    quantize_int4,
+)
 
-CODECS = ("none", "fp16", "int8")
+CODECS = ("none", "fp16", "int8", "int4", "fp4")
+_NIBBLES = {"int4": (quantize_int4, dequantize_int4), "fp4": (quantize_fp4, dequantize_fp4)}
 _LEN = struct.Struct("!I")
 HEAD_BYTES = _LEN.size
 """A part starts with the length of its meta in this many bytes."""
@@ -89,15 +101,17 @@ def part_bytes(numel: int, codec: str) -> int:
         return 2 * numel
     if codec == "int8":
         return _pad4(numel) + 4 * math.ceil(numel / BLOCK)
+    if codec in _NIBBLES:
+        return _pad4(math.ceil(numel / 2)) + 4 * math.ceil(numel / BLOCK4)
     raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
 
 
 def values_codec(compression: str) -> str:
     """The codec a satellite downloads the agreed values in after its deposit (a joiner's download
-    is exact): the run's, but fp16 where it is int8, because int8 on values (not on a small update)
-    is an error of ~1/255 of each block's range, which spoiled the agreed model when consensus
-    rounds averaged values in it (bench.parity, int8: 2.2551 against 2.1692 for the local model);
-    fp16 is ~5e-4 of each value."""
+    is exact): the run's, but fp16 where it is compressed (int8, 4-bit), because int8 on values
+    (not on a small update) is an error of ~1/255 of each block's range, which spoiled the agreed
+    model when consensus rounds averaged values in it (bench.parity, int8: 2.2551 against 2.1692
+    for the local model); fp16 is ~5e-4 of each value."""
     if compression not in CODECS:
         raise ValueError(f"unknown codec {compression!r}; one of {', '.join(CODECS)}")
     return "none" if compression == "none" else "fp16"
@@ -125,6 +139,10 @@ def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: 
         codes, scales = quantize_blockwise(flat.to("cpu", torch.float32))
         _frombuffer(body[:n], torch.int8).copy_(codes)
         _frombuffer(body[_pad4(n) :], torch.float32).copy_(scales)
+    elif codec in _NIBBLES:
+        packed, scales = _NIBBLES[codec][0](flat.to("cpu", torch.float32))
+        _frombuffer(body[: packed.numel()], torch.uint8).copy_(packed)
+        _frombuffer(body[_pad4(packed.numel()) :], torch.float32).copy_(scales)
     else:
         _frombuffer(body, torch.float32 if codec == "none" else torch.float16).copy_(flat)
     return out
@@ -181,6 +199,11 @@ def _values(meta: dict, body: memoryview, start: int, stop: int) -> torch.Tensor
         return _frombuffer(body[4 * start : 4 * stop], torch.float32)
     if codec == "fp16":
         return _frombuffer(body[2 * start : 2 * stop], torch.float16).to(torch.float32)
+    if codec in _NIBBLES:  # `start` is a multiple of BLOCK, so of BLOCK4 and of 2
+        packed = _frombuffer(body[start // 2 : math.ceil(stop / 2)], torch.uint8)
+        at = _pad4(math.ceil(numel / 2)) + 4 * (start // BLOCK4)
+        scales = _frombuffer(body[at : at + 4 * math.ceil((stop - start) / BLOCK4)], torch.float32)
+        return _NIBBLES[codec][1](packed, scales, stop - start)
     codes = _frombuffer(body[start:stop], torch.int8)
     at = _pad4(numel) + 4 * (start // BLOCK)
     scales = _frombuffer(body[at : at + 4 * math.ceil((stop - start) / BLOCK)], torch.float32)

@@ -241,6 +241,34 @@ def test_blockwise_int8_round_trip_never_clips():
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(torch.zeros(5))), torch.zeros(5))
 
 
+def test_4bit_codecs_keep_each_value_within_their_step_and_an_outlier_in_its_block():
+    from islands.protocols.compression import (
+        BLOCK4,
+        dequantize_fp4,
+        dequantize_int4,
+        quantize_fp4,
+        quantize_int4,
+    )
+
+    torch.manual_seed(0)
+    x = torch.randn(1001) * 0.01
+    x[17] = 50.0
+    for quantize, dequantize, step in ((quantize_int4, dequantize_int4, 1 / 14), (quantize_fp4, dequantize_fp4, 1 / 4)):
+        packed, scales = quantize(x)
+        assert packed.dtype == torch.uint8 and packed.numel() == 501 and scales.numel() == 16  # 2 a byte, 64 a scale
+        y = dequantize(packed, scales, 1001)
+        assert y[17].item() == pytest.approx(50.0)  # the largest of its block is exact
+        block_max = x.abs().view(-1)[:960].view(-1, BLOCK4).amax(dim=1).repeat_interleave(BLOCK4)
+        assert ((x[:960] - y[:960]).abs() <= step * block_max + 1e-9).all()  # relative to its own block
+        assert (x[64:] - y[64:]).abs().max() < 0.01  # the outlier costs precision in its block only
+        assert torch.equal(dequantize(*quantize(torch.zeros(5)), 5), torch.zeros(5))
+    # fp4: a power of two of the block's largest is exact; others within a third of themselves
+    z = torch.tensor([1.0, -0.5, 0.25, 2.0**-6, 0.7, -0.3, 0.0, 0.001])
+    got = dequantize_fp4(*quantize_fp4(z), 8)
+    assert got[:4].tolist() == [1.0, -0.5, 0.25, 2.0**-6] and got[6] == 0 and got[7] == 0
+    assert ((got[4:6] - z[4:6]).abs() <= z[4:6].abs() / 3).all()
+
+
 def test_fingerprints_see_a_slice_left_unaveraged_but_not_fp32_noise():
     from islands.protocols.consensus import (
         TOLERANCE,

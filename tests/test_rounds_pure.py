@@ -362,7 +362,7 @@ def test_the_announced_transport_address_prefers_what_others_can_dial():
 # --- parts -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec,bound", [("none", 0.0), ("fp16", 1e-3), ("int8", 1 / 127)])
+@pytest.mark.parametrize("codec,bound", [("none", 0.0), ("fp16", 1e-3), ("int8", 1 / 127), ("int4", 1 / 14), ("fp4", 1 / 4)])
 def test_a_part_decodes_to_its_values_within_its_codecs_bound(codec, bound):
     values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 1000)
     data = encode_part(values, 3.5, codec, {"round": 7, "fp": [1.0, 2.0]})
@@ -372,6 +372,17 @@ def test_a_part_decodes_to_its_values_within_its_codecs_bound(codec, bound):
     # relative to the largest magnitude of the value's block (int8: blocks of 256)
     scale = values.abs().max() if codec != "int8" else values.abs().view(-1)[: 1000].max()
     assert (got - values).abs().max().item() <= bound * scale.item() + 1e-7
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp4"])
+def test_a_4bit_part_reduces_to_its_decoded_values_across_reduction_blocks(codec):
+    """Reduction reads a part in pieces (REDUCE_BLOCK values, its scales from the piece's first
+    block): the pieces of a 4-bit part give exactly what decoding it whole gives."""
+    values = torch.randn(300_001, generator=torch.Generator().manual_seed(2))
+    data = encode_part(values, 2.0, codec)
+    assert len(data) - part_bytes(300_001, codec) < 80 and part_bytes(300_001, codec) < 0.57 * 300_001
+    mean, total, _ = reduce_parts(["a"], {"a": data})
+    assert total == 2.0 and torch.equal(mean, decode_part(data)[1])
 
 
 def test_reduction_is_the_weighted_mean_in_a_fixed_order_whatever_order_the_parts_came_in():
