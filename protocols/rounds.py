@@ -10,11 +10,14 @@ The round commits at a member once every member has said `have` with the same di
 of them hold the same parts and reduce them in the same order (`reduction_order`), in fp32, so
 their results are bit-identical. A member that is gone (its connections closed) or silent past
 the attempt's deadline aborts the attempt; the survivors retry at once without it, keeping the
-parts they already hold from each other, until `max_attempts`; with fewer than two members left
-the round fails (each applies its own update alone, as today). A member that dies after every
-`have` was sent may leave some members committed and others retrying: a committed member answers
-a retrying one's `have` with what it committed, and the other, which holds the same parts (it
-said so), commits the same (`Committed`). A member lost after this one said `have` is asked
+parts they already hold from each other, until `max_attempts`. A member that aborts tells the
+survivors (`SendAbort`): one that did not see the member go (a killed member may never have
+connected to it, and its own sends may all have fit in socket buffers) follows at once (`Aborted`)
+instead of waiting for the dead member to its deadline and then dropping the one that went
+ahead. With fewer than two members left the round fails (each applies its own update alone, as
+today). A member that dies after every `have` was sent may leave some members committed and
+others retrying: a committed member answers a retrying one's `have` with what it committed, and
+the other, which holds the same parts (it said so), commits the same (`Committed`). A member lost after this one said `have` is asked
 again once, over a new connection, before it is dropped (a broken connection is not a dead
 member), and so is one still silent at the deadline after this one said `have`, with one more
 attempt's time to answer (its own `have` may be late behind a busy event loop): if it committed,
@@ -30,13 +33,14 @@ the others. Each value is still encoded once by its owner, and each slice is red
 only, so the members that commit hold the same bits. `have` then means "I hold every member's
 reduced slice", and its digest names them; an attempt's slices depend on its members, so a retry
 cuts and sends them again, and a member that had said `have` says it again for the attempt it left
-(a member that committed on it never sends the new attempt's slices; it answers `Committed`). `uses_scatter` chooses (measured: bench/README.md).
+(a member that committed on it never sends the new attempt's slices; it answers `Committed`).
+`uses_scatter` chooses (measured: bench/README.md).
 
 Parts as bytes, and their reduction: protocols/parts.py.
 
-Events in: `PartArrived`, `SliceArrived`, `Reduced`, `HaveAll`, `Committed`, `PeerGone`, `Tick`.
-Actions out: `SendPart`, `Reduce`, `SendSlice`, `SendHave`, `SendCommitted`, `Commit`, `Abort`,
-`Fail`. Time comes in as an argument (`now`); nothing here does I/O.
+Events in: `PartArrived`, `SliceArrived`, `Reduced`, `HaveAll`, `Committed`, `Aborted`, `PeerGone`,
+`Tick`. Actions out: `SendPart`, `Reduce`, `SendSlice`, `SendHave`, `SendAbort`, `SendCommitted`,
+`Commit`, `Abort`, `Fail`. Time comes in as an argument (`now`); nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -94,6 +98,16 @@ class Committed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Aborted:
+    """`peer` aborted an attempt and went on to `attempt` with `members` (it tells the survivors: one
+    of them may not have seen the member it dropped go, and would wait for it until its deadline)."""
+
+    peer: str
+    members: tuple[str, ...]
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PeerGone:
     """The transport lost `peer` (its connections closed or it was refused)."""
 
@@ -105,7 +119,7 @@ class Tick:
     """Time passed (a deadline may have)."""
 
 
-Event = PartArrived | SliceArrived | Reduced | HaveAll | Committed | PeerGone | Tick
+Event = PartArrived | SliceArrived | Reduced | HaveAll | Committed | Aborted | PeerGone | Tick
 
 # --- actions --------------------------------------------------------------------------------
 
@@ -138,6 +152,15 @@ class SendSlice:
 class SendHave:
     to: str
     parts: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SendAbort:
+    """Tell `to` (a survivor) that this member went on to `attempt` with `members`."""
+
+    to: str
+    members: tuple[str, ...]
     attempt: int
 
 
@@ -176,7 +199,7 @@ class Fail:
     attempts: int
 
 
-Action = SendPart | Reduce | SendSlice | SendHave | SendCommitted | Commit | Abort | Fail
+Action = SendPart | Reduce | SendSlice | SendHave | SendAbort | SendCommitted | Commit | Abort | Fail
 
 
 # --- pure helpers ---------------------------------------------------------------------------
@@ -240,6 +263,8 @@ class Round:
             return []
         if isinstance(event, Committed):
             return self._adopt(event)
+        if isinstance(event, Aborted):
+            return self._follow(event, now)
         if isinstance(event, PartArrived):
             if event.peer not in self.members or event.peer in self.parts:
                 return []  # a stranger's, or a duplicate
@@ -316,6 +341,16 @@ class Round:
         self.outcome = Commit(event.members, event.parts, event.attempts)
         return [self.outcome]
 
+    def _follow(self, event: Aborted, now: float) -> list[Action]:
+        """Another member went on to a later attempt: go there too, without the members it dropped
+        (it saw them go or fall silent; this member may not have, and would wait for them)."""
+        if event.peer not in self.members or event.attempt <= self.attempt or self.me not in event.members:
+            return []  # a stranger's, a stale one, or one that dropped this member (its deadline settles that)
+        dropped = [p for p in self.members if p not in event.members]
+        self.attempt = event.attempt - 1  # the attempts it went through count here too
+        why = f"without {', '.join(dropped)}" if dropped else "with the same members"
+        return self._retry(dropped, f"{event.peer} went on to attempt {event.attempt} {why}", now)
+
     def _retry(self, dropped: list[str], reason: str, now: float) -> list[Action]:
         survivors = tuple(p for p in self.members if p not in dropped)
         self.gone.update(dropped)
@@ -329,7 +364,8 @@ class Round:
         self.have = {p: h for p, h in self.have.items() if p in survivors and h[0] >= self.attempt}
         self.sent_have = False
         self.deadline = now + self.attempt_s
-        return [Abort(reason, tuple(sorted(dropped)), survivors, self.attempt), *self._progress()]
+        tell = [SendAbort(p, survivors, self.attempt) for p in survivors if p != self.me]
+        return [Abort(reason, tuple(sorted(dropped)), survivors, self.attempt), *tell, *self._progress()]
 
     def _fail(self, reason: str) -> list[Action]:
         self.outcome = Fail(reason, self.attempt)
@@ -408,4 +444,6 @@ class ScatterRound(Round):
             # `have` reached it, not this one): it never sends this attempt's slices, so tell it
             # the `have` of the attempt left; a committed member answers what it committed (_adopt)
             again += [SendHave(p, said[1], said[0]) for p in self.members if p != self.me]
-        return [actions[0], *again, *actions[1:]]
+        tell = [a for a in actions if isinstance(a, SendAbort)]
+        rest = [a for a in actions[1:] if not isinstance(a, SendAbort)]
+        return [actions[0], *tell, *again, *rest]

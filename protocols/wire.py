@@ -16,7 +16,7 @@ import hashlib
 import struct
 
 MAGIC = b"ISLR"
-VERSION = 1
+VERSION = 2
 TAG_BYTES = 16
 HEADER = struct.Struct("!4sBBHHIIIQQ")
 HEADER_BYTES = HEADER.size
@@ -31,6 +31,7 @@ class Kind(enum.IntEnum):
     HAVE = 2  # "I hold every part": the payload is the parts digest
     COMMITTED = 3  # "I committed": the payload names the members and the parts digest
     SLICE = 4  # a chunk of a member's reduced slice (a reduce-scatter round: rounds.ScatterRound)
+    ABORT = 5  # "I went on to this attempt with these members": the payload names them
 
 
 class WireError(ValueError):

@@ -27,6 +27,7 @@ from islands.protocols.parts import (
 from islands.protocols.records import IslandRecord, data_address, parse_address, round_peers
 from islands.protocols.rounds import (
     Abort,
+    Aborted,
     Commit,
     Committed,
     Fail,
@@ -37,6 +38,7 @@ from islands.protocols.rounds import (
     Reduced,
     Round,
     ScatterRound,
+    SendAbort,
     SendCommitted,
     SendHave,
     SendPart,
@@ -92,6 +94,8 @@ class Net:
                 self.inbox.append((a.to, SliceArrived(sender, f"r-{sender}-{a.attempt}", a.attempt)))
             elif isinstance(a, SendHave):
                 self.inbox.append((a.to, HaveAll(sender, a.parts, a.attempt)))
+            elif isinstance(a, SendAbort):
+                self.inbox.append((a.to, Aborted(sender, a.members, a.attempt)))
             elif isinstance(a, SendCommitted):
                 c = a.commit
                 self.inbox.append((a.to, Committed(sender, c.members, c.parts, c.attempts)))
@@ -272,12 +276,43 @@ def test_a_scatter_round_ignores_what_belongs_to_an_attempt_it_left_and_keeps_wh
     assert r.start() == [SendPart("b", 1), SendPart("c", 1)]
     assert r.handle(PartArrived("b", "x", 2), 0.0) == []  # b dropped c already: kept for attempt 2
     acts = r.handle(PeerGone("c"), 0.1)
-    assert isinstance(acts[0], Abort) and acts[1:] == [SendPart("b", 2), Reduce(("a", "b"), 2)]
+    assert isinstance(acts[0], Abort) and acts[1:] == [SendAbort("b", ("a", "b"), 2), SendPart("b", 2), Reduce(("a", "b"), 2)]
     assert r.handle(PartArrived("b", "old", 1), 0.1) == [] and r.handle(SliceArrived("b", "old", 1), 0.1) == []
     assert r.handle(Reduced("r-a", 2), 0.2) == [SendSlice("b", 2)]
     [have] = r.handle(SliceArrived("b", "r-b", 2), 0.2)
     assert have == SendHave("b", parts_digest({"a": "r-a", "b": "r-b"}, "ab"), 2)
     assert r.handle(HaveAll("b", have.parts, 2), 0.3) == [Commit(("a", "b"), have.parts, 2)]
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["all-gather", "reduce-scatter"])
+def test_a_member_that_never_saw_the_dead_one_go_follows_the_survivor_that_did_at_once(scatter):
+    """The CI failure of 2026-12-05: c dies before its first part, having connected to a only; b's
+    own part for c fit in socket buffers, so b's transport never sees c go. a aborts and goes on
+    with b; b follows a's word at once instead of waiting for c to its deadline (and then dropping
+    a, which had gone ahead): both commit attempt 2 well before any deadline."""
+    net = Net(["a", "b", "c"], scatter=scatter)
+    net.dead.add("c")  # frozen to b: its sends to c vanish, no PeerGone
+    net.inbox = [(to, e) for to, e in net.inbox if to != "c" and getattr(e, "peer", None) != "c"]
+    net._send("a", net.rounds["a"].handle(PeerGone("c"), net.now))
+    net.run()
+    outcomes = net.outcomes()
+    assert set(outcomes) == {"a", "b"} and len(set(outcomes.values())) == 1, outcomes
+    [commit] = set(outcomes.values())
+    assert isinstance(commit, Commit) and commit.members == ("a", "b") and commit.attempts == 2
+    assert [x for x in net.log["b"] if isinstance(x, Abort)][0].reason == "a went on to attempt 2 without c"
+    assert net.now < net.rounds["b"].deadline  # no deadline passed: the test's clock never moved
+
+
+def test_an_abort_from_a_stranger_a_stale_one_or_one_that_dropped_this_member_changes_nothing():
+    r = Round("b", ["a", "b", "c"], "d-b", 0.0, ATTEMPT_S)
+    r.start()
+    assert r.handle(Aborted("x", ("b", "x"), 2), 0.0) == []
+    assert r.handle(Aborted("a", ("a", "b"), 1), 0.0) == []
+    assert r.handle(Aborted("a", ("a", "c"), 2), 0.0) == []
+    assert r.attempt == 1 and r.members == ("a", "b", "c")
+    acts = r.handle(Aborted("a", ("a", "b"), 3), 0.0)  # two attempts on at a: both count here too
+    assert acts[:2] == [Abort("a went on to attempt 3 without c", ("c",), ("a", "b"), 3), SendAbort("a", ("a", "b"), 3)]
+    assert r.attempt == 3 and r.members == ("a", "b")
 
 
 @pytest.mark.parametrize("scatter", [False, True], ids=["all-gather", "reduce-scatter"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from islands.node.net.transport import DataPlane, Identity
 from islands.protocols.parts import assemble, encode_part, encode_slices, reduce_parts
-from islands.protocols.rounds import Commit, Fail
+from islands.protocols.rounds import Commit, Fail, PeerGone
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
@@ -127,6 +127,36 @@ def test_a_member_that_dies_in_a_reduce_scatter_costs_the_others_one_attempt_cut
         assert o.attempts == 2
         exact = sum((k + 1.0) * _values(k, 4_000_000) for k in range(3)) / 6.0
         assert (means[0] - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["all-gather", "reduce-scatter"])
+def test_a_member_that_never_saw_the_dead_one_go_follows_the_one_that_did_at_once(kind):
+    """The CI failure of 2026-12-05: the dead member never dialled b, so only a saw it go. a's abort
+    tells b, which goes on to a's attempt at once instead of waiting out its own deadline."""
+
+    async def main():
+        planes, members = await _planes(3)
+        a, b, c = planes  # c takes no part: its plane accepts frames and never answers
+        scatter = kind == "reduce-scatter"
+        runs = [
+            asyncio.ensure_future(
+                p.run_round(0, 1, members, None if scatter else encode_part(_values(k), 1.0), attempt_s=30, cut=_cut(k) if scatter else None)
+            )
+            for k, p in enumerate((a, b))
+        ]
+        await asyncio.sleep(0.2)
+        started = asyncio.get_running_loop().time()
+        a._inbox(0, 1).events.put_nowait(PeerGone(c.me.peer_id))  # as if a's connection to c had closed
+        got = await asyncio.gather(*runs)
+        seconds = asyncio.get_running_loop().time() - started
+        await asyncio.gather(*(p.close() for p in planes))
+        return got, seconds, sorted((a.me.peer_id, b.me.peer_id))
+
+    got, seconds, survivors = asyncio.run(main())
+    (oa, _), (ob, _) = got
+    assert isinstance(oa, Commit) and oa == ob, (oa, ob)
+    assert sorted(oa.members) == survivors and oa.attempts == 2
+    assert seconds < 10  # not b's 30 s deadline
 
 
 def test_a_peer_without_the_swarm_key_cannot_open_a_data_connection():

@@ -358,6 +358,8 @@ class DataPlane:
         payload = conn.aead.decrypt(nonce, bytes(body), header)
         if frame.kind == wire.Kind.HAVE:
             inbox.events.put_nowait(sm.HaveAll(conn.peer, payload.decode(), frame.attempt))
+        elif frame.kind == wire.Kind.ABORT:
+            inbox.events.put_nowait(sm.Aborted(conn.peer, tuple(json.loads(payload)["members"]), frame.attempt))
         else:
             c = json.loads(payload)
             inbox.events.put_nowait(sm.Committed(conn.peer, tuple(c["members"]), c["parts"], int(c["attempts"])))
@@ -562,6 +564,9 @@ class DataPlane:
                     coro = send_slice(a.to, a.attempt)
                 elif isinstance(a, sm.SendHave):
                     coro = self.send_small(a.to, members[a.to], wire.Kind.HAVE, fragment, round_, a.attempt, a.parts.encode())
+                elif isinstance(a, sm.SendAbort):
+                    payload = json.dumps({"members": list(a.members)}).encode()
+                    coro = self.send_small(a.to, members[a.to], wire.Kind.ABORT, fragment, round_, a.attempt, payload)
                 elif isinstance(a, sm.SendCommitted):
                     coro = self._send_committed(a, members[a.to], fragment, round_)
                 else:
