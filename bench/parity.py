@@ -7,7 +7,9 @@ The same model (`tiny`), data (the standard library's sources) and total tokens,
   never averages (its window is longer than the run), so it computes exactly what synchronous
   data parallelism over the two islands would;
 - solo: one island with one island's batch for twice the steps, Streaming DiLoCo alone;
-- swarm: two islands with Streaming DiLoCo, once per compression setting.
+- swarm: two islands with Streaming DiLoCo, once per compression setting;
+- oracle: the same two islands in one process with perfect communication (bench.simulate), once
+  per compression setting: `ratio_swarm_to_oracle` is what the network costs.
 
 eval_loss is on the same held-out batches for all: dp's trained model, the agreed model
 (`global.safetensors`) of the DiLoCo runs (the islands' mean). Bytes per step of dp are what
@@ -107,6 +109,17 @@ def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
     }
 
 
+def oracle(args: argparse.Namespace, compression: str) -> dict:
+    """bench.simulate with the swarm's settings: the same run with perfect communication."""
+    from .simulate import config_of, parser, simulate
+
+    argv = [*args.common, *args.schedule, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--compression", compression, *args.swarm_args.split()]
+    known, _ = parser().parse_known_args(argv)  # the swarm's network options are not the oracle's
+    values = {k: v for k, v in vars(known).items() if k not in ("islands", "batch_sizes", "out")}
+    return simulate(config_of(values), islands=2, on_progress=lambda line: None)
+
+
 def _zip_curves(curves: list[list[tuple[int, float]]]) -> list[tuple]:
     common = sorted(set.intersection(*(set(t for t, _ in c) for c in curves)))
     lookup = [dict(c) for c in curves]
@@ -141,8 +154,9 @@ def main() -> None:
         base = base_run.result()
         alone = {"eval_loss": float("nan"), "local_eval_loss": float("nan"), "tokens": 0, "curve": []} if solo_run is None else solo_run.result()
     runs = {c: swarm(root / f"swarm-{c}", args, c) for c in args.compression}
-    rows = [["dp", f"{base['eval_loss']:.4f}", "1.000", f"{bytes_per_step_dp / 1e3:.0f}", "-", "1", "-"],
-            ["solo", f"{alone['eval_loss']:.4f}", f"{alone['eval_loss'] / base['eval_loss']:.3f}", "0", "-", "-", "-"]]
+    oracles = {c: oracle(args, c) for c in args.compression}
+    rows = [["dp", f"{base['eval_loss']:.4f}", "1.000", f"{bytes_per_step_dp / 1e3:.0f}", "-", "1", "-", "-"],
+            ["solo", f"{alone['eval_loss']:.4f}", f"{alone['eval_loss'] / base['eval_loss']:.3f}", "0", "-", "-", "-", "-"]]
     per_compression = {}
     for c, r in runs.items():
         ratio = r["eval_loss"] / base["eval_loss"]
@@ -154,17 +168,20 @@ def main() -> None:
             "bytes_end_agreement": round(r["bytes_end_agreement"]), "bytes_per_step_swarm_training": round(r["bytes_per_step_training"]),
             "wire_reduction_training": round(bytes_per_step_dp / r["bytes_per_step_training"], 1),
             "syncs_ok": r["syncs_ok"], "syncs": r["syncs"], "consensus_rounds": r["consensus_rounds"], "tokens": r["tokens"],
+            "oracle_eval_loss": round(oracles[c]["eval_loss"], 4), "ratio_oracle_to_dp": round(oracles[c]["eval_loss"] / base["eval_loss"], 4),
+            "ratio_swarm_to_oracle": round(r["eval_loss"] / oracles[c]["eval_loss"], 4),
         }
         rows.append([f"swarm ({c})", f"{r['eval_loss']:.4f}", f"{ratio:.3f}", f"{r['bytes_per_step_measured'] / 1e3:.1f}",
                      f"{r['bytes_per_step_counted'] / 1e3:.1f}", f"{reduction:.0f}x",
-                     f"{bytes_per_step_dp / r['bytes_per_step_training']:.0f}x"])
+                     f"{bytes_per_step_dp / r['bytes_per_step_training']:.0f}x", f"{oracles[c]['eval_loss']:.4f}"])
     print(table(rows, ["run", "eval_loss", "ratio to dp", "kB/step/island (wire)", "kB/step (counted)", "wire reduction",
-                       "without the final agreement"]))
+                       "without the final agreement", "oracle eval_loss"]))
     best = min(per_compression, key=lambda c: per_compression[c]["bytes_per_step_swarm"])
     head = per_compression[best]
     write(args.out, {
         "dp_eval_loss": round(base["eval_loss"], 4), "swarm_eval_loss": head["swarm_eval_loss"], "solo_eval_loss": round(alone["eval_loss"], 4),
-        "ratio_swarm_to_dp": head["ratio_swarm_to_dp"], "bytes_per_step_dp": round(bytes_per_step_dp),
+        "ratio_swarm_to_dp": head["ratio_swarm_to_dp"], "oracle_eval_loss": head["oracle_eval_loss"],
+        "ratio_swarm_to_oracle": head["ratio_swarm_to_oracle"], "bytes_per_step_dp": round(bytes_per_step_dp),
         "bytes_per_step_swarm": head["bytes_per_step_swarm"], "wire_reduction": head["wire_reduction"], "compression": best,
         "per_compression": per_compression, "parameters": params, "solo_local_eval_loss": round(alone["local_eval_loss"], 4),
         "tokens": {"dp": base["tokens"], "solo": alone["tokens"], **{f"swarm_{c}": r["tokens"] for c, r in runs.items()}},

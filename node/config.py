@@ -16,7 +16,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -436,11 +436,14 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per option, grouped by component, with no defaults (so that given ones are known)."""
+def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[str] = tuple(SECTIONS)) -> None:
+    """One flag per option of these components, grouped by component, with no defaults (so that
+    given ones are known)."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of options (keys as the long options, with _ for -)")
-    groups = {s: parser.add_argument_group(f"{s} options") for s in SECTIONS}
+    groups = {s: parser.add_argument_group(f"{s} options") for s in sections}
     for opt in options().values():
+        if opt.section not in groups:
+            continue
         group = groups[opt.section]
         shown = f" (default: {opt.default})" if opt.default not in (None, [], "") else ""
         kw: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS, "help": opt.help + shown}
