@@ -4,7 +4,8 @@ Layout: `global.safetensors` (every fragment's agreed parameters, named as in
 the model's state dict), `local.safetensors` (the model being trained),
 `outer.safetensors` (outer Nesterov momentum, same names), `inner_opt.pt`
 (the inner optimizer's state dict), `task.pt` (a task's own state, when it has
-one: its data position, schedulers, RNG) and `state.json` (step, manifest,
+one: its data position, schedulers, RNG), `residual.safetensors` (the error
+feedback's residuals, when there are any) and `state.json` (step, manifest,
 per-fragment counters, totals, and the size and SHA-256 of every other file).
 
 A save writes a complete new folder `checkpoint.new/`, then swaps it in with
@@ -35,6 +36,7 @@ FORMAT = 1
 TENSOR_FILES = ("global.safetensors", "local.safetensors", "outer.safetensors")
 OPT_FILE = "inner_opt.pt"
 TASK_FILE = "task.pt"
+RESIDUAL_FILE = "residual.safetensors"
 
 
 class CheckpointError(Exception):
@@ -54,6 +56,8 @@ class Checkpoint:
     inner_opt: str
     task_state: dict | None = None
     """A task's own state (Task.state_dict), or None."""
+    residual_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The error feedback's residuals by parameter name (StreamingDiLoCo.residual_state)."""
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -96,6 +100,8 @@ def save(run_dir: str | os.PathLike, ckpt: Checkpoint) -> Path:
         buf = io.BytesIO()
         torch.save(ckpt.task_state, buf)
         blobs[TASK_FILE] = buf.getvalue()
+    if ckpt.residual_state:
+        blobs[RESIDUAL_FILE] = st_save(_contiguous(ckpt.residual_state))
     for name, data in blobs.items():
         _fsync_write(new / name, data)
     state = {
@@ -201,6 +207,7 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
         tensors = {name: st_load(blobs[name]) for name in TENSOR_FILES}
         opt_state = _load_optimizer_state(blobs[OPT_FILE])
         task_state = torch.load(io.BytesIO(blobs[TASK_FILE]), map_location="cpu", weights_only=True) if TASK_FILE in blobs else None
+        residual_state = st_load(blobs[RESIDUAL_FILE]) if RESIDUAL_FILE in blobs else {}
     except Exception as e:  # a file that passed its checksum but does not parse
         raise CheckpointError(f"checkpoint {folder} cannot be read: {e}") from None
     return Checkpoint(
@@ -214,12 +221,13 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
         totals=state["totals"],
         inner_opt=state["inner_opt"],
         task_state=task_state,
+        residual_state=residual_state,
     )
 
 
 def _files(state: dict) -> tuple[str, ...]:
-    """The files a checkpoint holds (a task's state only where it has one)."""
-    return (*TENSOR_FILES, OPT_FILE, *((TASK_FILE,) if TASK_FILE in state["files"] else ()))
+    """The files a checkpoint holds (a task's state and residuals only where it has them)."""
+    return (*TENSOR_FILES, OPT_FILE, *(f for f in (TASK_FILE, RESIDUAL_FILE) if f in state["files"]))
 
 
 def peek_shard(run_dir: str | os.PathLike) -> int | None:

@@ -266,7 +266,7 @@ class Island:
                 self.resumed_task_state = r.task_state
             if r.inner_opt_state:  # a sharded island checkpoints none: its inner optimizer starts afresh
                 trainer.optimizer.load_state_dict(r.inner_opt_state)
-            core.diloco.load(r.global_state, r.outer_state, r.fragments)
+            core.diloco.load(r.global_state, r.outer_state, r.fragments, r.residual_state)
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise StartupError(f"checkpoint {ckpt_io.checkpoint_dir(self.run_dir)} does not fit this model: {e}") from None
         self.resume = None
@@ -449,6 +449,7 @@ class Island:
                 totals=state.totals,
                 inner_opt=self.cfg.train.inner_opt if self.trainer is None else type(trainer.optimizer).__name__,
                 task_state=None if self.trainer is None else self.trainer.state_dict(),
+                residual_state=d.residual_state(),
             ),
         )
 

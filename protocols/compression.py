@@ -10,6 +10,9 @@ relative error was ~0.3, blockwise int8's ~0.01).
 - `fp4`: FP4 E3M0 (Streaming DiLoCo's outer-gradient format): a sign and a power of two, the
   magnitude one of 0, 2^-6 .. 2^0 of the block's largest, rounded to the nearest; two to a byte,
   plus 4 bytes a block of BLOCK4.
+- `int2`: one of four levels (c + 1/2) * s, c in -2..1, s the block's root mean square, four to a
+  byte, plus 4 bytes a block of BLOCK4. Values beyond 2 s are clipped: it is meant for error
+  feedback (diloco.StreamingDiLoCo keeps what the codec lost and sends it with the next round).
 """
 
 from __future__ import annotations
@@ -87,6 +90,41 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, n: int, block: i
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     return (codes.view(-1, block) * scales[:, None]).reshape(-1)[:n]
+
+
+def pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 3], four to a byte (the first in the lowest two bits); padded with 0s."""
+    c = codes.reshape(-1).to(torch.uint8)
+    if c.numel() % 4:
+        c = torch.cat([c, c.new_zeros(4 - c.numel() % 4)])
+    q = c.view(-1, 4)
+    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+
+
+def unpack_crumbs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_crumbs`' inverse: the first `n` codes."""
+    p = packed.reshape(-1).to(torch.uint8)
+    return torch.stack([p & 3, (p >> 2) & 3, (p >> 4) & 3, p >> 6], dim=1).reshape(-1)[:n]
+
+
+def quantize_int2(x: torch.Tensor, block: int = BLOCK4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed 2-bit codes of every value, fp32 scale, the block's root mean square, of every block).
+    Code c + 2 for the level (c + 1/2) * s whose cell [c s, (c + 1) s) holds the value, c clipped to
+    -2..1 (the uniform 4-level quantizer of a Gaussian: relative error 0.34 on one, 0.58 on
+    Student-t(3) values, where a scale of the block's largest gave 0.51 and 1.35)."""
+    blocks = _blocks(x, block)
+    scales = blocks.pow(2).mean(dim=1).sqrt()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.floor(blocks / safe[:, None]).clamp_(-2, 1) + 2
+    return pack_crumbs(codes.reshape(-1)[: x.numel()]), scales
+
+
+def dequantize_int2(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK4) -> torch.Tensor:
+    levels = unpack_crumbs(packed, n).to(torch.float32) - 1.5
+    pad = (-n) % block
+    if pad:
+        levels = torch.cat([levels, levels.new_zeros(pad)])
+    return (levels.view(-1, block) * scales[:, None]).reshape(-1)[:n]
 
 
 def quantize_fp4(x: torch.Tensor, block: int = BLOCK4) -> tuple[torch.Tensor, torch.Tensor]:

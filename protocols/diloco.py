@@ -15,10 +15,13 @@ import torch
 from . import PROTOCOL_VERSION
 from .consensus import fingerprint, fragment_fingerprint
 from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
+from .parts import roundtrip
 from .schedule import Schedule, check_schedule, default_overlap
-from .validation import tensors_norm
+from .validation import flatten, tensors_norm
 
-Compression = Literal["none", "fp16", "int8", "int4", "fp4"]
+Compression = Literal["none", "fp16", "int8", "int4", "fp4", "int2"]
+FEEDBACK_INT2 = 0.95
+"""The default decay of the error feedback of 2-bit contributions (MuLoCo, SparseLoCo: 0.9-0.95)."""
 Outcome = Literal["ok", "solo", "failed", "skipped_no_contact", "rejected"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
@@ -34,6 +37,12 @@ class DiLoCoConfig:
     outer_lr: float = dataclasses.field(default=0.7, metadata={"help": "outer Nesterov SGD learning rate"})
     outer_momentum: float = dataclasses.field(default=0.9, metadata={"help": "outer Nesterov SGD momentum"})
     compression: Compression = dataclasses.field(default="none", metadata={"help": "pseudo-gradients on the wire"})
+    error_feedback: float | None = dataclasses.field(
+        default=None, metadata={
+            "help": "keep what the codec lost of each contribution and add it, times this decay, to the next one "
+            "(0: off; default 0.95 with int2, 0 otherwise)", "metavar": "DECAY",
+        },
+    )
     seed: int = dataclasses.field(default=0, metadata={"help": "initialisation seed, shared by the whole run"})
 
     def __post_init__(self):
@@ -46,6 +55,17 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.compression not in get_args(Compression):
             raise ValueError(f"compression must be one of {', '.join(get_args(Compression))}, got {self.compression!r}")
+        if self.error_feedback is not None and not 0.0 <= self.error_feedback <= 1.0:
+            raise ValueError(f"error_feedback must be in [0, 1], got {self.error_feedback}")
+        if self.feedback and self.compression == "none":
+            raise ValueError("error_feedback needs a lossy --compression (fp16, int8, int4, fp4, int2)")
+
+    @property
+    def feedback(self) -> float:
+        """The decay of the codec's error carried to the next contribution (0: none)."""
+        if self.error_feedback is not None:
+            return self.error_feedback
+        return FEEDBACK_INT2 if self.compression == "int2" else 0.0
 
     @property
     def tau(self) -> int:
@@ -150,6 +170,10 @@ class StreamingDiLoCo:
         ]
         self.momentum = [{n: torch.zeros_like(t) for n, t in g.items()} for g in self.globals]
         self.counters = [FragmentCounters() for _ in self.layout]
+        self.residual: list[dict[str, torch.Tensor]] = [{} for _ in self.layout]
+        """Error feedback (cfg.feedback): what the codec lost of each fragment's last contribution,
+        added (decayed) to its next one; empty when there is none."""
+        self._residual_before: list[dict[str, torch.Tensor]] = [{} for _ in self.layout]
         self.on_local_change: Callable[[int], None] = lambda fragment: None
         """Called with a fragment whose local values were just changed outside an inner step."""
 
@@ -165,14 +189,40 @@ class StreamingDiLoCo:
         tokens, counters.tokens_since_sync = counters.tokens_since_sync, 0
         staleness = max(0, round_ - counters.round - 1)
         fp = fingerprint([g[n] for n in self.layout[fragment]])
+        if self.cfg.feedback:
+            delta = self._feed_back(fragment, delta, staleness)
         return Contribution(
             fragment=fragment, round=round_, step=step, delta=delta, fingerprint=fp, staleness=staleness, tokens=tokens,
             weight=contribution_weight(tokens, staleness, self.satellite),
         )
 
+    def _feed_back(self, fragment: int, delta: dict[str, torch.Tensor], staleness: int) -> dict[str, torch.Tensor]:
+        """Error feedback: the delta plus the decayed residual of the last contribution, and, as the
+        new residual, what the codec will lose of that sum (parts.roundtrip: the bits the round
+        reduces; each value is still quantized once, by the round). A stale island's contribution
+        weighs ~0 in its round: nothing of it reaches the others, and its residual goes."""
+        names = self.layout[fragment]
+        kept = self._residual_before[fragment] = self.residual[fragment]
+        if staleness and not self.satellite:
+            self.residual[fragment] = {}
+            return delta
+        decay = self.cfg.feedback
+        if kept:
+            delta = {n: delta[n] + decay * kept[n] for n in names}
+        sent = roundtrip(flatten(delta[n] for n in names), self.cfg.compression)
+        residual, at = {}, 0
+        for n in names:
+            k = delta[n].numel()
+            residual[n] = delta[n] - sent[at : at + k].view_as(delta[n])
+            at += k
+        self.residual[fragment] = residual
+        return delta
+
     def keep_accumulating(self, contribution: Contribution) -> None:
-        """A satellite's round did not happen: its tokens count towards its next contribution."""
+        """A satellite's round did not happen: its tokens count towards its next contribution (and
+        its residual is the one before, since its next delta holds this one's progress again)."""
         self.counters[contribution.fragment].tokens_since_sync += contribution.tokens
+        self.residual[contribution.fragment] = self._residual_before[contribution.fragment]
 
     def apply(
         self, fragment: int, round_: int | None, avg_delta: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
@@ -195,6 +245,7 @@ class StreamingDiLoCo:
         if alone:
             self.counters[fragment].apart += tensors_norm(moved)
             self.counters[fragment].apart_momentum += tensors_norm(moved_momentum)
+            self.residual[fragment] = {}  # its own delta went in whole, with what the codec would have lost
         if mix_local:
             self.mix_local(fragment, params)
         if round_ is not None:
@@ -273,9 +324,21 @@ class StreamingDiLoCo:
     def counters_state(self) -> list[dict]:
         return [dataclasses.asdict(c) for c in self.counters]
 
-    def load(self, global_state: Mapping[str, torch.Tensor], momentum_state: Mapping[str, torch.Tensor], counters: Sequence[dict]) -> None:
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """The error feedback's residuals by parameter name (those of fragments that have one)."""
+        return {n: t for r in self.residual for n, t in r.items()}
+
+    def load(
+        self, global_state: Mapping[str, torch.Tensor], momentum_state: Mapping[str, torch.Tensor], counters: Sequence[dict],
+        residual_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        residual_state = residual_state or {}
         for p, names in enumerate(self.layout):
             for n in names:
                 self.globals[p][n] = global_state[n].to(torch.float32).clone()
                 self.momentum[p][n] = momentum_state[n].to(torch.float32).clone()
+            have = [n for n in names if n in residual_state]
+            if have and len(have) != len(names):
+                raise ValueError(f"fragment {p}: the residual has {len(have)} of its {len(names)} tensors")
+            self.residual[p] = {n: residual_state[n].to(torch.float32).clone() for n in have}
         self.counters = [FragmentCounters(**c) for c in counters]

@@ -11,7 +11,9 @@ step, fingerprint of the agreed values, staleness). The values, by codec:
 - "int8": int8 codes (blockwise absmax, protocols/compression.py), padded to 4 bytes, then one
   float32 scale a block of 256;
 - "int4", "fp4": 4-bit codes, two to a byte (the first in the low half), padded to 4 bytes, then
-  one float32 scale a block of 64 (compression.BLOCK4).
+  one float32 scale a block of 64 (compression.BLOCK4);
+- "int2": 2-bit codes, four to a byte (the first in the lowest bits), padded to 4 bytes, then one
+  float32 scale a block of 64.
 Every member of a committed round holds the same parts (rounds.py) and reduces them in the same
 order in float32 (`reduce_parts`), so their results are bit-identical.
 """
@@ -35,14 +37,17 @@ from .compression import (
     BLOCK4,
     dequantize_blockwise,
     dequantize_fp4,
+    dequantize_int2,
     dequantize_int4,
     quantize_blockwise,
     quantize_fp4,
+    quantize_int2,
     quantize_int4,
 )
 
-CODECS = ("none", "fp16", "int8", "int4", "fp4")
-_NIBBLES = {"int4": (quantize_int4, dequantize_int4), "fp4": (quantize_fp4, dequantize_fp4)}
+CODECS = ("none", "fp16", "int8", "int4", "fp4", "int2")
+_PACKED = {"int4": (quantize_int4, dequantize_int4, 2), "fp4": (quantize_fp4, dequantize_fp4, 2), "int2": (quantize_int2, dequantize_int2, 4)}
+"""Codecs of a few bits a value with a scale a block of BLOCK4: (quantize, dequantize, values a byte)."""
 _LEN = struct.Struct("!I")
 HEAD_BYTES = _LEN.size
 """A part starts with the length of its meta in this many bytes."""
@@ -101,8 +106,8 @@ def part_bytes(numel: int, codec: str) -> int:
         return 2 * numel
     if codec == "int8":
         return _pad4(numel) + 4 * math.ceil(numel / BLOCK)
-    if codec in _NIBBLES:
-        return _pad4(math.ceil(numel / 2)) + 4 * math.ceil(numel / BLOCK4)
+    if codec in _PACKED:
+        return _pad4(math.ceil(numel / _PACKED[codec][2])) + 4 * math.ceil(numel / BLOCK4)
     raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
 
 
@@ -139,8 +144,8 @@ def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: 
         codes, scales = quantize_blockwise(flat.to("cpu", torch.float32))
         _frombuffer(body[:n], torch.int8).copy_(codes)
         _frombuffer(body[_pad4(n) :], torch.float32).copy_(scales)
-    elif codec in _NIBBLES:
-        packed, scales = _NIBBLES[codec][0](flat.to("cpu", torch.float32))
+    elif codec in _PACKED:
+        packed, scales = _PACKED[codec][0](flat.to("cpu", torch.float32))
         _frombuffer(body[: packed.numel()], torch.uint8).copy_(packed)
         _frombuffer(body[_pad4(packed.numel()) :], torch.float32).copy_(scales)
     else:
@@ -199,11 +204,12 @@ def _values(meta: dict, body: memoryview, start: int, stop: int) -> torch.Tensor
         return _frombuffer(body[4 * start : 4 * stop], torch.float32)
     if codec == "fp16":
         return _frombuffer(body[2 * start : 2 * stop], torch.float16).to(torch.float32)
-    if codec in _NIBBLES:  # `start` is a multiple of BLOCK, so of BLOCK4 and of 2
-        packed = _frombuffer(body[start // 2 : math.ceil(stop / 2)], torch.uint8)
-        at = _pad4(math.ceil(numel / 2)) + 4 * (start // BLOCK4)
+    if codec in _PACKED:  # `start` is a multiple of BLOCK, so of BLOCK4 and of the values a byte
+        dequantize, per_byte = _PACKED[codec][1:]
+        packed = _frombuffer(body[start // per_byte : math.ceil(stop / per_byte)], torch.uint8)
+        at = _pad4(math.ceil(numel / per_byte)) + 4 * (start // BLOCK4)
         scales = _frombuffer(body[at : at + 4 * math.ceil((stop - start) / BLOCK4)], torch.float32)
-        return _NIBBLES[codec][1](packed, scales, stop - start)
+        return dequantize(packed, scales, stop - start)
     codes = _frombuffer(body[start:stop], torch.int8)
     at = _pad4(numel) + 4 * (start // BLOCK)
     scales = _frombuffer(body[at : at + 4 * math.ceil((stop - start) / BLOCK)], torch.float32)
@@ -214,6 +220,11 @@ def decode_part(data: bytes | bytearray | memoryview) -> tuple[dict, torch.Tenso
     """(meta, the values as float32) of a part; PartError if it is malformed."""
     meta, body = _decode_meta(data)
     return meta, _values(meta, body, 0, int(meta["numel"]))
+
+
+def roundtrip(values: torch.Tensor, codec: str) -> torch.Tensor:
+    """The flat float32 values a round reduces for a part of these values in this codec (a copy)."""
+    return decode_part(encode_part(values, 1.0, codec))[1].clone()
 
 
 def reduce_parts(order: Sequence[str], parts: Mapping[str, bytes | bytearray | memoryview]) -> tuple[torch.Tensor, float, dict[str, dict]]:

@@ -397,3 +397,103 @@ def test_layer_groups_read_from_parameter_names():
     assert [groups_by_name(gpt2)[n] for n in gpt2] == ["embed", 0, 0, 1, "head"]
     with pytest.raises(ValueError, match="no parameter name holds a layer index"):
         groups_by_name(["w", "b"])
+
+
+def test_the_2bit_codec_puts_each_value_in_its_cell_of_the_blocks_rms_and_packs_four_to_a_byte():
+    from islands.protocols.compression import (
+        BLOCK4,
+        dequantize_int2,
+        pack_crumbs,
+        quantize_int2,
+        unpack_crumbs,
+    )
+
+    codes = torch.tensor([0, 1, 2, 3, 3, 2, 1], dtype=torch.uint8)
+    assert pack_crumbs(codes).numel() == 2 and torch.equal(unpack_crumbs(pack_crumbs(codes), 7), codes)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    packed, scales = quantize_int2(x)
+    assert packed.numel() == 250 and scales.numel() == 16
+    y = dequantize_int2(packed, scales, 1000)
+    s = torch.cat([x, x.new_zeros(24)]).view(-1, BLOCK4).pow(2).mean(1).sqrt().repeat_interleave(BLOCK4)[:1000]
+    inside = x.abs() < 2 * s
+    assert ((x - y).abs()[inside] <= s[inside] / 2 + 1e-7).all()  # the middle of its cell
+    assert ((y.abs() - 1.5 * s).abs()[~inside] < 1e-6).all()  # beyond 2 s: the outer level
+    assert float((x - y).norm() / x.norm()) < 0.36  # 0.34 on Gaussian values
+    assert torch.equal(dequantize_int2(*quantize_int2(torch.zeros(5)), 5), torch.zeros(5))
+
+
+def _feedback_island(decay, compression="int2"):
+    params = {"w": torch.zeros(300), "v": torch.zeros(7)}
+    cfg = DiLoCoConfig(window=4, fragments=1, compression=compression, error_feedback=decay)
+    return StreamingDiLoCo(cfg, [["w", "v"]], params), params
+
+
+def test_error_feedback_sends_over_the_rounds_the_sum_of_the_true_updates():
+    """With a decay of 1 what the rounds reduced (each contribution's codec output), plus the
+    residual still kept, is the sum of the pseudo-gradients: nothing is lost, only delayed."""
+    from islands.protocols.parts import roundtrip
+    from islands.protocols.validation import flatten
+
+    d, params = _feedback_island(1.0)
+    gen = torch.Generator().manual_seed(1)
+    true_sum, sent_sum = torch.zeros(307), torch.zeros(307)
+    for r in range(1, 9):
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        true_sum += flatten([d.globals[0][n] - params[n] for n in ("w", "v")])
+        c = d.contribution(0, r, 4 * r, params)
+        sent = roundtrip(flatten([c.delta["w"], c.delta["v"]]), "int2")
+        sent_sum += sent
+        d.apply(0, r, {"w": sent[:300], "v": sent[300:]}, params)
+    kept = flatten([d.residual[0]["w"], d.residual[0]["v"]])
+    assert torch.allclose(sent_sum + kept, true_sum, atol=1e-4)
+    assert float(kept.norm()) < 0.5 * float(true_sum.norm())  # most of it went
+
+
+def test_error_feedback_keeps_its_residual_decayed_and_drops_it_when_the_island_applies_its_own_update():
+    d, params = _feedback_island(0.5)
+    with torch.no_grad():
+        params["w"].add_(torch.linspace(-1, 1, 300))
+    first = d.contribution(0, 1, 4, params)
+    kept = {n: t.clone() for n, t in d.residual[0].items()}
+    assert float(kept["w"].abs().max()) > 0
+    second = d.contribution(0, 1, 8, params)  # nothing applied: the same delta, plus half the residual
+    assert torch.allclose(second.delta["w"], first.delta["w"] + 0.5 * kept["w"])
+    d.keep_accumulating(second)  # the round did not happen: the residual is the one before
+    assert torch.equal(d.residual[0]["w"], kept["w"])
+    d.apply(0, 1, first.delta, params, alone=True)  # its own whole delta, residual and all
+    assert d.residual[0] == {}
+    stale = _feedback_island(0.5)
+    stale[0].contribution(0, 3, 12, stale[1])  # two rounds missed: its contribution weighs ~0
+    assert stale[0].residual[0] == {}
+
+
+def test_a_resumed_island_continues_with_its_residual(tmp_path):
+    from islands.node import checkpoint as ckpt_io
+
+    d, params = _feedback_island(0.95)
+    with torch.no_grad():
+        params["w"].add_(torch.linspace(-1, 1, 300))
+    d.apply(0, 1, d.contribution(0, 1, 4, params).delta, params)  # a round of the swarm: the residual stays
+    assert d.residual_state()
+    ckpt_io.save(tmp_path, ckpt_io.Checkpoint(
+        step=4, manifest={"run_id": "r"}, global_state=d.global_state(), local_state=dict(params), outer_state=d.momentum_state(),
+        inner_opt_state={}, fragments=d.counters_state(), totals={}, inner_opt="adamw", residual_state=d.residual_state(),
+    ))
+    got = ckpt_io.load(tmp_path, {"run_id": "r"})
+    resumed, _ = _feedback_island(0.95)
+    resumed.load(got.global_state, got.outer_state, got.fragments, got.residual_state)
+    with torch.no_grad():
+        params["w"].add_(0.01)
+    went_on, again = d.contribution(0, 2, 8, params), resumed.contribution(0, 2, 8, params)
+    assert torch.equal(went_on.delta["w"], again.delta["w"]) and torch.equal(d.residual[0]["w"], resumed.residual[0]["w"])
+
+
+def test_error_feedback_needs_a_lossy_codec_and_a_decay_in_0_1():
+    assert DiLoCoConfig(compression="int2").feedback == 0.95 and DiLoCoConfig(compression="int4").feedback == 0.0
+    assert DiLoCoConfig(compression="int4", error_feedback=0.9).feedback == 0.9
+    with pytest.raises(ValueError, match="lossy"):
+        DiLoCoConfig(compression="none", error_feedback=0.9)
+    with pytest.raises(ValueError, match="error_feedback"):
+        DiLoCoConfig(compression="int2", error_feedback=1.5)

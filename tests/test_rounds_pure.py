@@ -409,7 +409,7 @@ def test_a_part_decodes_to_its_values_within_its_codecs_bound(codec, bound):
     assert (got - values).abs().max().item() <= bound * scale.item() + 1e-7
 
 
-@pytest.mark.parametrize("codec", ["int4", "fp4"])
+@pytest.mark.parametrize("codec", ["int4", "fp4", "int2"])
 def test_a_4bit_part_reduces_to_its_decoded_values_across_reduction_blocks(codec):
     """Reduction reads a part in pieces (REDUCE_BLOCK values, its scales from the piece's first
     block): the pieces of a 4-bit part give exactly what decoding it whole gives."""
