@@ -1,13 +1,14 @@
 """Quality and traffic against data parallelism, at equal tokens.
 
-    python -m bench.parity --out bench/results/parity.json [--steps 600] [--window 100] [--compression none fp16 int8 int4 fp4]
+    python -m bench.parity --out bench/results/parity.json [--steps 600] [--window 100] [--compression none fp16 int8 int4+ef0.95 int2]
 
 The same model (`tiny`), data (the standard library's sources) and total tokens, trained three ways:
 - dp: one process whose batch is the sum of the islands' batches, for the swarm's steps; it
   never averages (its window is longer than the run), so it computes exactly what synchronous
   data parallelism over the two islands would;
 - solo: one island with one island's batch for twice the steps, Streaming DiLoCo alone;
-- swarm: two islands with Streaming DiLoCo, once per compression setting;
+- swarm: two islands with Streaming DiLoCo, once per compression setting (a codec, and with
+  `+efD` error feedback of decay D: `int4+ef0.95` is `--compression int4 --error-feedback 0.95`);
 - oracle: the same two islands in one process with perfect communication (bench.simulate), once
   per compression setting: `ratio_swarm_to_oracle` is what the network costs.
 
@@ -75,11 +76,17 @@ def solo(root: Path, args: argparse.Namespace) -> dict:
         nodes.stop()
 
 
+def codec_options(setting: str) -> list[str]:
+    """islands-node options of a compression setting: `int8`, or `int4+ef0.95` (with error feedback)."""
+    codec, _, feedback = setting.partition("+ef")
+    return ["--compression", codec, *(["--error-feedback", feedback] if feedback else [])]
+
+
 def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
     nodes = Nodes(root)
     common = [*args.common, *args.schedule, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-              "--eval-every", str(args.steps // 10), "--compression", compression, "--wait-islands", "2",
-              "--run-id", f"bench-parity-{compression}", *args.swarm_args.split()]
+              "--eval-every", str(args.steps // 10), *codec_options(compression), "--wait-islands", "2",
+              "--run-id", f"bench-parity-{compression.replace('+', '-')}", *args.swarm_args.split()]
     relay = ["--profile", "lan"]
     try:
         a, join = nodes.first("a", common, relay)
@@ -111,13 +118,12 @@ def swarm(root: Path, args: argparse.Namespace, compression: str) -> dict:
 
 def oracle(args: argparse.Namespace, compression: str) -> dict:
     """bench.simulate with the swarm's settings: the same run with perfect communication."""
-    from .simulate import config_of, parser, simulate
+    from .simulate import config_of, parser, simulate, split_options
 
     argv = [*args.common, *args.schedule, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--compression", compression, *args.swarm_args.split()]
+            *codec_options(compression), *args.swarm_args.split()]
     known, _ = parser().parse_known_args(argv)  # the swarm's network options are not the oracle's
-    values = {k: v for k, v in vars(known).items() if k not in ("islands", "batch_sizes", "out")}
-    return simulate(config_of(values), islands=2, on_progress=lambda line: None)
+    return simulate(config_of(split_options(known)[1]), islands=2, on_progress=lambda line: None)
 
 
 def _zip_curves(curves: list[list[tuple[int, float]]]) -> list[tuple]:
@@ -133,7 +139,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="one island's batch (dp's is twice this)")
     p.add_argument("--window", type=int, default=100)
     p.add_argument("--fragments", type=int, default=4)
-    p.add_argument("--compression", nargs="+", default=["none", "fp16", "int8"])
+    p.add_argument("--compression", nargs="+", default=["none", "fp16", "int8"], metavar="CODEC[+efDECAY]",
+                   help="compression settings, a swarm and an oracle each (default: none fp16 int8)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per run")
     p.add_argument("--run-dir", default="bench-runs/parity")

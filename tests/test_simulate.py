@@ -29,3 +29,19 @@ def test_a_two_island_swarm_ends_where_the_oracle_does(nodes, tmp_path):
     # within the 0.5 %; here they were bitwise equal (int8 and int2): the same steps, parts and reductions
     assert abs(swarm[0] / oracle["eval_loss"] - 1) < 0.005, (swarm, oracle["eval_loss"])
     assert oracle["rounds"] == len(syncs) // 2
+
+
+def test_bench_parity_gives_the_oracle_the_swarms_settings(monkeypatch):
+    import argparse
+
+    import bench.simulate
+    from bench import parity
+
+    monkeypatch.setattr(bench.simulate, "simulate", lambda cfg, islands, on_progress: (cfg, islands))
+    args = argparse.Namespace(
+        common=["--model", "tiny", "--seq-len", "128", "--checkpoint-every", "6000"], schedule=["--window", "50", "--fragments", "4"],
+        steps=600, batch_size=8, swarm_args="--outer-lr 1 --match-wait-s 3",
+    )
+    cfg, islands = parity.oracle(args, "int4+ef0.95")  # the swarm's network options are not the oracle's
+    assert islands == 2 and cfg.train.steps == 600 and cfg.train.batch_size == 8 and cfg.diloco.window == 50
+    assert (cfg.diloco.compression, cfg.diloco.feedback, cfg.diloco.outer_lr) == ("int4", 0.95, 1.0)
