@@ -60,6 +60,14 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(-1, block)
 
 
+def _scaled(levels: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The first `n` of `levels` (in units of their block's scale) times their block's scale."""
+    pad = (-n) % block
+    if pad:
+        levels = torch.cat([levels, levels.new_zeros(pad)])
+    return (levels.view(-1, block) * scales[:, None]).reshape(-1)[:n]
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes in [0, 15], two to a byte (the first in the low half); an odd count gets a 0."""
     c = codes.reshape(-1).to(torch.uint8)
@@ -85,11 +93,7 @@ def quantize_int4(x: torch.Tensor, block: int = BLOCK4) -> tuple[torch.Tensor, t
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK4) -> torch.Tensor:
-    codes = unpack_nibbles(packed, n).to(torch.float32) - 8
-    pad = (-n) % block
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    return (codes.view(-1, block) * scales[:, None]).reshape(-1)[:n]
+    return _scaled(unpack_nibbles(packed, n).to(torch.float32) - 8, scales, n, block)
 
 
 def pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
@@ -120,11 +124,7 @@ def quantize_int2(x: torch.Tensor, block: int = BLOCK4) -> tuple[torch.Tensor, t
 
 
 def dequantize_int2(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK4) -> torch.Tensor:
-    levels = unpack_crumbs(packed, n).to(torch.float32) - 1.5
-    pad = (-n) % block
-    if pad:
-        levels = torch.cat([levels, levels.new_zeros(pad)])
-    return (levels.view(-1, block) * scales[:, None]).reshape(-1)[:n]
+    return _scaled(unpack_crumbs(packed, n).to(torch.float32) - 1.5, scales, n, block)
 
 
 def quantize_fp4(x: torch.Tensor, block: int = BLOCK4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +147,4 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, n: int, block: in
     codes = unpack_nibbles(packed, n).to(torch.int32)
     k = (codes & 7).to(torch.float32)
     magnitude = torch.where(k > 0, torch.exp2(k - 7), torch.zeros_like(k))
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    pad = (-n) % block
-    if pad:
-        values = torch.cat([values, values.new_zeros(pad)])
-    return (values.view(-1, block) * scales[:, None]).reshape(-1)[:n]
+    return _scaled(torch.where(codes >= 8, -magnitude, magnitude), scales, n, block)
