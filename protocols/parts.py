@@ -113,7 +113,7 @@ def part_bytes(numel: int, codec: str) -> int:
 
 def values_codec(compression: str) -> str:
     """The codec a satellite downloads the agreed values in after its deposit (a joiner's download
-    is exact): the run's, but fp16 where it is compressed (int8, 4-bit), because int8 on values
+    is exact): the run's, but fp16 where it is compressed (int8, 4 or 2 bits), because int8 on values
     (not on a small update) is an error of ~1/255 of each block's range, which spoiled the agreed
     model when consensus rounds averaged values in it (bench.parity, int8: 2.2551 against 2.1692
     for the local model); fp16 is ~5e-4 of each value."""

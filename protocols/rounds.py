@@ -17,13 +17,14 @@ instead of waiting for the dead member to its deadline and then dropping the one
 ahead. With fewer than two members left the round fails (each applies its own update alone, as
 today). A member that dies after every `have` was sent may leave some members committed and
 others retrying: a committed member answers a retrying one's `have` with what it committed, and
-the other, which holds the same parts (it said so), commits the same (`Committed`). A member lost after this one said `have` is asked
-again once, over a new connection, before it is dropped (a broken connection is not a dead
-member), and so is one still silent at the deadline after this one said `have`, with one more
-attempt's time to answer (its own `have` may be late behind a busy event loop): if it committed,
-its answer makes this one commit too. What can still split a round is a member that commits on
-a `have` whose sender had given up on it even after asking again; the fingerprints of the
-agreed values (consensus.py) catch that, as they catch a partition.
+the other, which holds the same parts (it said so), commits the same (`Committed`). A member
+lost after this one said `have` is asked again once, over a new connection, before it is
+dropped (a broken connection is not a dead member), and so is one still silent at the deadline
+after this one said `have`, with one more attempt's time to answer (its own `have` may be late
+behind a busy event loop): if it committed, its answer makes this one commit too. What can
+still split a round is a member that commits on a `have` whose sender had given up on it even
+after asking again; the fingerprints of the agreed values (consensus.py) catch that, as they
+catch a partition.
 
 With more members an all-gather moves (n - 1) parts in and out of every member and makes each
 reduce n whole parts; `ScatterRound` is the same protocol as a reduce-scatter and an all-gather of
