@@ -9,7 +9,7 @@ island's part encoded once with the run's codec and the parts reduced in a fixed
 (protocols/parts.py, as a 2-island round of the own protocol does), the outer Nesterov step,
 the mixing, and the end-of-run last round of every fragment (StreamingDiLoCo.apply_last). What
 it leaves out is the network: no round fails, none waits, no island drifts from the schedule.
-So a swarm that works gives what this gives (tests/test_oracle_swarm.py asserts it), and a
+So a swarm that works gives what this gives (tests/test_simulate.py asserts it), and a
 setting can be explored here in a fraction of the swarm's time.
 
 It takes the islands-node options of the model, training, data and DiLoCo (--help lists them);
