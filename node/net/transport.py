@@ -56,6 +56,8 @@ POOL = 4
 """Connections per peer and direction."""
 CHUNK_BYTES = 4 << 20
 HANDSHAKE_S = 10.0
+CLOSE_S = 5.0
+"""How long closing waits for its cancelled readers to end."""
 PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
 
 
@@ -278,7 +280,9 @@ class DataPlane:
             self._accepting.cancel()
         for t in list(self._readers):
             t.cancel()
-        await asyncio.gather(*self._readers, *(x for x in [self._accepting] if x), return_exceptions=True)
+        ending = [*self._readers, *(x for x in [self._accepting] if x)]
+        if ending:  # cancelled readers end at once; a bound all the same, so that closing never hangs
+            await asyncio.wait(ending, timeout=CLOSE_S)
         for conns in self._out.values():
             for c in conns:
                 c.abandon()
@@ -528,7 +532,8 @@ class DataPlane:
         """attempt -> this island's slices for that attempt's members."""
         reduced: dict[int, memoryview] = {}
         """attempt -> this island's reduced slice."""
-        sends: set[asyncio.Task] = set()
+        sends: dict[asyncio.Task, str | None] = {}
+        """What this member still does for the round: task -> the member it sends to (None: a reduction)."""
 
         def slices(attempt: int, order: tuple[str, ...]) -> asyncio.Future:
             if attempt not in cuts:
@@ -557,8 +562,8 @@ class DataPlane:
                         coro = send_cut(a.to, a.attempt, r.members)
                 elif isinstance(a, sm.Reduce):
                     task = asyncio.ensure_future(reduce(a))
-                    sends.add(task)
-                    task.add_done_callback(sends.discard)
+                    sends[task] = None
+                    task.add_done_callback(lambda t: sends.pop(t, None))
                     continue
                 elif isinstance(a, sm.SendSlice):
                     coro = send_slice(a.to, a.attempt)
@@ -572,8 +577,8 @@ class DataPlane:
                 else:
                     continue
                 task = asyncio.ensure_future(self._guarded(coro, a.to, inbox))
-                sends.add(task)
-                task.add_done_callback(sends.discard)
+                sends[task] = a.to
+                task.add_done_callback(lambda t: sends.pop(t, None))
 
         try:
             act(r.start())
@@ -585,7 +590,12 @@ class DataPlane:
                     event = sm.Tick()
                 act(r.handle(event, clock()))
             if isinstance(r.outcome, sm.Commit):
-                await asyncio.gather(*sends, return_exceptions=True)  # a committed member still answers the others
+                # a committed member still answers the others, for an attempt's time at most (a send
+                # that never ends must not hold the round); what it sends to members the round went
+                # on without waits for nobody
+                answering = [t for t, to in sends.items() if to is None or to in r.outcome.members]
+                if answering:
+                    await asyncio.wait(answering, timeout=attempt_s)
                 if cut is None:
                     parts = {p: (mine if p == me else inbox.parts[(p, 1)].view) for p in r.outcome.members}
                 else:
@@ -595,7 +605,7 @@ class DataPlane:
             return r.outcome, {}
         finally:
             self._finish(fragment, round_, r, members)
-            for t in sends:
+            for t in list(sends):
                 t.cancel()
 
     def _finish(self, fragment: int, round_: int, r: sm.Round, members: Mapping[str, tuple[str, int]]) -> None:
