@@ -36,7 +36,7 @@ from islands.node.net.base import STALE_WEIGHT
 from islands.node.trainer import Trainer
 from islands.protocols.diloco import Contribution, StreamingDiLoCo
 from islands.protocols.parts import encode_part, reduce_parts
-from islands.protocols.validation import flatten
+from islands.protocols.validation import flatten, unflatten
 
 from .common import table, write
 
@@ -53,15 +53,6 @@ class Replica:
     params: dict[str, torch.Tensor]
 
 
-def _unflatten(names: Sequence[str], like: dict[str, torch.Tensor], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    out, at = {}, 0
-    for n in names:
-        k = like[n].numel()
-        out[n] = flat[at : at + k].view_as(like[n]).clone()
-        at += k
-    return out
-
-
 def average(contributions: Sequence[Contribution], names: Sequence[str], codec: str) -> tuple[dict[str, torch.Tensor], int]:
     """(the round's mean delta, bytes each island sent): every island's part encoded once with the
     codec, reduced in island order in fp32 (parts.reduce_parts); an all-gather sends each part to
@@ -75,7 +66,7 @@ def average(contributions: Sequence[Contribution], names: Sequence[str], codec: 
     }
     mean, _, _ = reduce_parts([str(i) for i in range(len(contributions))], parts)
     sent = len(parts["0"]) * (len(contributions) - 1)
-    return _unflatten(names, contributions[0].delta, mean), sent
+    return unflatten(mean.clone(), names, contributions[0].delta), sent
 
 
 def simulate(cfg, islands: int, batch_sizes: Sequence[int] | None = None, on_progress: Callable[[str], None] = print) -> dict:

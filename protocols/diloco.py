@@ -17,7 +17,7 @@ from .consensus import fingerprint, fragment_fingerprint
 from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
 from .parts import roundtrip
 from .schedule import Schedule, check_schedule, default_overlap
-from .validation import flatten, tensors_norm
+from .validation import flatten, tensors_norm, unflatten
 
 Compression = Literal["none", "fp16", "int8", "int4", "fp4", "int2"]
 FEEDBACK_INT2 = 0.95
@@ -209,13 +209,8 @@ class StreamingDiLoCo:
         decay = self.cfg.feedback
         if kept:
             delta = {n: delta[n] + decay * kept[n] for n in names}
-        sent = roundtrip(flatten(delta[n] for n in names), self.cfg.compression)
-        residual, at = {}, 0
-        for n in names:
-            k = delta[n].numel()
-            residual[n] = delta[n] - sent[at : at + k].view_as(delta[n])
-            at += k
-        self.residual[fragment] = residual
+        sent = unflatten(roundtrip(flatten(delta[n] for n in names), self.cfg.compression), names, delta)
+        self.residual[fragment] = {n: delta[n] - sent[n] for n in names}
         return delta
 
     def keep_accumulating(self, contribution: Contribution) -> None:

@@ -136,6 +136,16 @@ def flatten(values: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([v.detach().reshape(-1).float() for v in values])
 
 
+def unflatten(flat: torch.Tensor, names: Sequence[str], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`flatten`'s inverse: the tensors named `names`, shaped as in `like`, as views of `flat`."""
+    out, at = {}, 0
+    for n in names:
+        k = like[n].numel()
+        out[n] = flat[at : at + k].view_as(like[n])
+        at += k
+    return out
+
+
 def spoiled_spans(
     averaged: torch.Tensor, own: torch.Tensor, spans: Mapping[str, Sequence[Sequence[int]]], reference: float,
     ratio: float = NORM_RATIO,
