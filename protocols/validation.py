@@ -10,8 +10,10 @@ honest members: someone sent a huge update, claimed a huge weight, or — as
 reducer of one part of the vector in hivemind's butterfly all-reduce — returned
 garbage for that part. Each of these ends up in the result, which is what is
 checked: finite, the right shapes and dtype, and a norm within `NORM_RATIO` of
-the reference; so is each member's reduced part (`spoiled_spans`), which names
-the reducer to blame. A consensus round (the agreed values themselves averaged
+the reference; every member of a round runs every member's check on the same
+result, with the references the members carry in their parts (`round_verdict`),
+so a round is applied by all its members or by none. Each member's reduced part
+is checked too (`spoiled_spans`), which names the reducer to blame. A consensus round (the agreed values themselves averaged
 again) must land close to this island's own agreed values (`consensus_bound`).
 
 What is not caught: a member, or a reducer for its part, that stays within the
@@ -77,24 +79,61 @@ class NormHistory:
     def accept(self, norm: float) -> None:
         self.norms.append(norm)
 
+    def seed(self, norms: object) -> int:
+        """Take a donor's recent accepted norms (a joiner's state download carries them), unless
+        this history has its own: a joiner then judges its first rounds as the swarm does, not
+        by its own update alone, which covers only the steps since it joined. Keeps the finite
+        positive numbers of a list; returns how many it took."""
+        if self.norms or not isinstance(norms, list):
+            return 0
+        good = [float(n) for n in norms if _number(n) and math.isfinite(n) and n > 0]
+        self.norms.extend(good[-HISTORY:])
+        return len(self.norms)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 
 def check_update(
     averaged: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], history: NormHistory,
     ratio: float = NORM_RATIO,
 ) -> tuple[str | None, float]:
-    """(why the averaged pseudo-gradient is rejected or None, its norm)."""
+    """(why the averaged pseudo-gradient is rejected by this island's own check or None, its
+    norm): round_verdict with this island the only judge."""
+    why, norm, _ = round_verdict(averaged, own, {"this island": history.reference(tensors_norm(own.values()))}, ratio)
+    return why, norm
+
+
+def round_verdict(
+    averaged: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], references: Mapping[str, object],
+    ratio: float = NORM_RATIO,
+) -> tuple[str | None, float, list[str]]:
+    """A committed round's verdict, the same on every member: (why its averaged pseudo-gradient
+    is rejected or None, its norm, the members whose check rejects it).
+
+    A member's check: the result is finite and like `own` (names, shapes, dtype: one layout for
+    the run), and its norm is at most `ratio` times that member's reference
+    (`NormHistory.reference` of its own update, carried in its part's metadata; 0 when it has
+    nothing to judge by; anything but a finite number >= 0 rejects). Every member holds the same
+    result and the same references, so each computes every member's check and applies the
+    result only if none rejects it: a round is applied by all its members or by none."""
     why = problem(averaged, own)
     if why is not None:
-        return why, math.nan
+        return why, math.nan, []
     norm = tensors_norm(averaged.values())
-    bound = ratio * history.reference(tensors_norm(own.values()))
-    if bound == 0:
-        # nothing to judge by: an island that trained nothing (it joined as the others finished)
-        # and accepted no round yet takes what the others agreed, as it took their state
-        return None, norm
-    if norm > bound:
-        return f"norm {norm:.4g} above {bound:.4g} ({ratio:g}x the reference)", norm
-    return None, norm
+    judges, bound = [], math.inf
+    for peer in sorted(references):
+        ref = references[peer]
+        if not _number(ref) or not math.isfinite(ref) or ref < 0:
+            judges.append(peer)
+            bound = 0.0
+        elif ref > 0 and norm > ratio * ref:
+            judges.append(peer)
+            bound = min(bound, ratio * ref)
+    if not judges:
+        return None, norm, []
+    return f"norm {norm:.4g} above {bound:.4g} ({ratio:g}x the reference of {', '.join(judges)})", norm, judges
 
 
 def check_deposit(

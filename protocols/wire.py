@@ -16,7 +16,8 @@ import hashlib
 import struct
 
 MAGIC = b"ISLR"
-VERSION = 2
+VERSION = 3
+"""2: the ABORT frame; 3: every part's metadata carries its member's reference norm (`ref`, validation.round_verdict)."""
 TAG_BYTES = 16
 HEADER = struct.Struct("!4sBBHHIIIQQ")
 HEADER_BYTES = HEADER.size

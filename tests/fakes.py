@@ -22,7 +22,7 @@ from islands.protocols.outer import fold_deposits
 from islands.protocols.records import (
     IslandRecord,
 )
-from islands.protocols.validation import NormHistory, check_update
+from islands.protocols.validation import NormHistory, round_verdict, tensors_norm
 
 
 class Clock:
@@ -144,7 +144,7 @@ class Hub:
         """(fragment, round) -> the member that dies in that round, once it has contributed."""
         self.poison: dict[tuple[int, int], str] = {}
         """(fragment, round) -> the member whose contribution arrives 1000 times too large."""
-        self.states: dict[str, tuple[Callable, float]] = {}
+        self.states: dict[str, tuple[Callable, FakeNetwork, FakeRounds]] = {}
         self.deposits: dict[tuple[str, int], list[Contribution]] = {}
         """(island, fragment) -> satellites' contributions deposited with it, not yet folded in."""
         self.log: list[tuple] = []
@@ -212,16 +212,18 @@ class FakeRounds:
         sent = c
         if self.hub.poison.get((c.fragment, c.round)) == me:
             sent = dataclasses.replace(c, delta={n: t * 1000.0 for n, t in c.delta.items()})
-        g = await self.hub.gather(("delta", c.fragment, c.round), me, self._members(), sent)
+        history = self.history.setdefault(c.fragment, NormHistory())
+        reference = history.reference(tensors_norm(c.delta.values()))
+        g = await self.hub.gather(("delta", c.fragment, c.round), me, self._members(), (sent, reference))
         self.hub.log.append(("delta", c.fragment, c.round, me, not g.failed))
         if g.failed or self.hub.split.get((c.fragment, c.round)) == me:
             return failed
-        members = list(g.given.values())
+        members = [m for m, _ in g.given.values()]
         weights = [max(m.weight, STALE_WEIGHT) for m in members]  # as the real rounds: a stale member weighs ~0, not 0
         total = sum(weights)
         delta = {n: sum(m.delta[n] * (w / total) for m, w in zip(members, weights, strict=True)) for n in c.delta}
-        # the node's own check of a round's result (protocols/validation.py), as the real rounds run it
-        why, norm = check_update(delta, c.delta, self.history.setdefault(c.fragment, NormHistory()))
+        # every member's check of the round's result (protocols/validation.py), as the real rounds run it
+        why, norm, _ = round_verdict(delta, c.delta, {p: ref for p, (_, ref) in g.given.items()})
         if why is not None:
             return RoundResult(outcome="rejected", delta=c.delta, group_size=len(members), weight=c.weight, reason=why)
         self.history[c.fragment].accept(norm)
@@ -241,20 +243,25 @@ class FakeRounds:
         return mean(0), mean(1), 0
 
     def share_state(self, provider: Callable, priority: float) -> None:
-        self.hub.states[self.network.peer_id] = (provider, self.network)
+        self.hub.states[self.network.peer_id] = (provider, self.network, self)
 
     async def download(self, fragment: int, timeout_s: float, values_only: bool = False) -> tuple[dict, list] | None:
         """From the donor furthest ahead (the node's refresh sets a donor's priority to its step)."""
         me = self.network.peer_id
         donors = [
-            (network.status.step, peer) for peer, (_, network) in self.hub.states.items()
+            (network.status.step, peer) for peer, (_, network, _) in self.hub.states.items()
             if peer != me and peer not in self.hub.dead and self.network.board.reaches(me, peer)
         ]
         if not donors:
             return None
         _, peer = max(donors)
-        meta, tensors = self.hub.states[peer][0](fragment)
-        return meta, tensors[: len(tensors) // 2] if values_only else tensors
+        provider, _, rounds = self.hub.states[peer]
+        meta, tensors = provider(fragment)
+        if values_only:
+            return meta, tensors[: len(tensors) // 2]
+        # as the real rounds: the donor's accepted norms come with its state
+        self.history.setdefault(fragment, NormHistory()).seed(list(rounds.history.get(fragment, NormHistory()).norms))
+        return meta, tensors
 
 
 class Events:

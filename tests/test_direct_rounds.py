@@ -71,7 +71,7 @@ def test_every_island_applies_the_same_token_weighted_mean(islands, compression)
     values = part_bytes(64 * 32 + 32, compression)
     scatter = islands > 2 and compression == "none"
     parts = 2 * (islands - 1) / islands if scatter else islands - 1
-    meta = 6144 if scatter else 512  # each reduced slice carries every member's meta
+    meta = 6144 if scatter else 640  # each reduced slice carries every member's meta
     assert all(parts * values < r.bytes_sent < parts * values + meta for r in results), [r.bytes_sent for r in results]
     assert all(parts * values < r.bytes_recv < parts * values + meta for r in results)
 
@@ -110,6 +110,36 @@ def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned(islands, c
     assert outcomes[0][:2] == ["rejected", "rejected"]
     assert all(torch.equal(g.delta["w"], c.delta["w"]) for g, c in zip(got[:2], cs[:2], strict=True))  # own update kept
     assert rounds[0].banned_events == [poisoner] and rounds[1].banned_events == [poisoner]
+
+
+@pytest.mark.parametrize(("islands", "compression"), [(2, "none"), (3, "none"), (3, "int4")])
+def test_a_result_one_members_check_rejects_is_rejected_by_every_member(islands, compression):
+    """The last island's update in round 3 is a thousandth of the others' and it has accepted no
+    round yet (a joiner whose window was a few steps): its check alone rejects the mean (norm
+    above 4 times its own), which the others' checks accept. Every member runs every member's
+    check on the same result (validation.round_verdict), so all keep their own update and none
+    applies the mean: no round is applied by one member and not another. The others blame it
+    (its check alone rejected what theirs accept); round 4, whose mean every check accepts,
+    every member applies, and that clears the strikes."""
+    async def main():
+        planes, rounds = await _islands(islands, compression)
+        try:
+            scale = lambda k: 1e-3 if k == islands - 1 else 1.0  # noqa: E731
+            first = await asyncio.gather(*(r.average(_contribution(k, round_=3, scale=scale(k))) for k, r in enumerate(rounds)))
+            strikes = [dict(x.reputation.strikes) for x in rounds]
+            second = await asyncio.gather(*(r.average(_contribution(k, round_=4)) for k, r in enumerate(rounds)))
+            return planes, rounds, first, strikes, second
+        finally:
+            await _close(planes)
+
+    planes, rounds, first, strikes, second = asyncio.run(main())
+    judge = planes[-1].me.peer_id
+    assert [r.outcome for r in first] == ["rejected"] * islands
+    assert len({r.reason for r in first}) == 1 and judge in first[0].reason
+    assert all(torch.equal(r.delta["w"], _contribution(k, round_=3, scale=1.0 if k < islands - 1 else 1e-3).delta["w"]) for k, r in enumerate(first))
+    assert strikes[:-1] == [{judge: 1}] * (islands - 1)
+    assert [r.outcome for r in second] == ["ok"] * islands and len({r.digest for r in second}) == 1
+    assert all(not x.reputation.strikes for x in rounds)  # an accepted round clears the strikes
 
 
 def test_alone_the_round_is_solo_and_with_nobody_left_in_it_failed():

@@ -205,3 +205,26 @@ async def test_a_poisoned_round_is_rejected_by_both_and_the_next_round_of_its_fr
         assert syncs[(20, 0)]["policy"] == "own_update" and "above" in syncs[(20, 0)]["reason"]
         assert [k for k, e in syncs.items() if e["consensus"] is not None] == [(30, 0)]
     assert _same(a, b)
+
+
+async def test_a_joiner_whose_first_update_is_small_applies_its_first_rounds_as_the_others_do():
+    """C joins at step 38, two steps before fragment 0's round at 40, with its own update in that
+    round a sliver of A's and B's (as a joiner's first window is: a few steps; here its target is
+    where it starts). On its own check (no accepted norms yet: its own update the reference) it
+    would reject their average while they apply it: one round, two models. Now it judges with
+    the norms its donor accepted (NormHistory.seed), and every member runs every member's check
+    on the same result (validation.round_verdict): every round is applied by all three alike."""
+    board, hub, (a, b, c) = _swarm(1.0, 1.2, 0.0, steps=80)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(38), b.run(38))
+    await c.join()
+    assert c.events.of("join")[0]["step"] == 38
+    assert len(c.core.rounds.history[0].norms) == 3  # the rounds of fragment 0 at steps 10, 20, 30
+    c.target = {n: p + 1e-4 for n, p in c.params.items()}
+    await asyncio.gather(a.run(80), b.run(80), c.run(80))
+    await asyncio.gather(a.leave(), b.leave(), c.leave())
+    assert c.syncs()[0] == (40, 0, "ok")
+    for island in (a, b):
+        assert [s for s in island.syncs() if s[0] >= 40] == c.syncs()
+    assert _same(a, c) and _same(b, c)

@@ -29,6 +29,7 @@ from islands.protocols.validation import (
     check_deposit,
     check_update,
     consensus_bound,
+    round_verdict,
     spoiled_spans,
 )
 
@@ -147,6 +148,34 @@ def test_the_norm_bound_follows_the_accepted_history():
     # an island whose own update is small this round still accepts a typical average
     assert check_update(_t(10 * NORM_RATIO / 4 * 0.99), _t(0.01), history)[0] is None
     assert check_update(_t(10 * NORM_RATIO / 4 * 1.01), _t(0.01), history)[0] is not None
+
+
+def test_every_member_of_a_round_reaches_the_same_verdict_from_the_references_in_the_parts():
+    """Members hold the same result and each member's reference (its part's `ref`): whichever
+    member computes it, the verdict is the same, and a result any member's check rejects is
+    rejected by all; a reference of 0 judges nothing, one that is not a finite number >= 0 rejects."""
+    result = _t(2.0)  # norm 8
+    refs = {"a": 10.0, "b": 1.0, "c": 0.0}
+    verdicts = {own: round_verdict(result, _t(own), refs) for own in (0.0, 0.001, 5.0)}  # each member's own update differs
+    assert len(set(map(str, verdicts.values()))) == 1
+    why, norm, judges = verdicts[0.0]
+    assert norm == 8.0 and judges == ["b"] and "above 4 (4x the reference of b)" in why
+    assert round_verdict(result, _t(1.0), {"a": 10.0, "b": 2.0, "c": 0.0}) == (None, 8.0, [])
+    assert round_verdict(result, _t(1.0), {"a": 0.0}) == (None, 8.0, [])  # nobody has anything to judge by
+    for bad in (None, "big", True, math.nan, math.inf, -1.0):
+        assert round_verdict(result, _t(1.0), {"a": 10.0, "x": bad})[2] == ["x"]
+    assert "non-finite" in round_verdict(_t(math.nan), _t(1.0), {"a": 10.0})[0]
+
+
+def test_a_joiner_seeds_its_history_with_its_donors_accepted_norms_unless_it_has_its_own():
+    history = NormHistory()
+    assert history.seed([3.0, "x", math.nan, -1.0, 0.0, 5.0, True, 1]) == 3
+    assert list(history.norms) == [3.0, 5.0, 1.0] and history.reference(0.01) == 3.0
+    assert history.seed([100.0]) == 0 and list(history.norms) == [3.0, 5.0, 1.0]
+    assert NormHistory().seed(None) == 0 and NormHistory().seed({"a": 1}) == 0
+    many = NormHistory()
+    many.seed([float(i) for i in range(1, 40)])
+    assert list(many.norms) == [float(i) for i in range(40 - many.norms.maxlen, 40)]
 
 
 def test_an_island_that_trained_nothing_and_accepted_nothing_takes_what_the_others_agreed():

@@ -45,10 +45,10 @@ from islands.protocols.parts import (
 )
 from islands.protocols.validation import (
     check_consensus,
-    check_update,
     consensus_bound,
     flatten,
     member_report_bad,
+    round_verdict,
     tensors_norm,
 )
 
@@ -110,7 +110,7 @@ class DirectRounds(RoundsBase):
             p2p, self.namespace, self.shapes, self.round_key,
             refuse_peer=lambda peer: self.reputation.is_banned(peer, time.monotonic()), on_refused=self.on_refused,
         )
-        self.states.provider = self._provider
+        self.states.provider = None if self._provider is None else self._serve
         if not self.follower:
             await self.states.open()
 
@@ -126,13 +126,21 @@ class DirectRounds(RoundsBase):
         asked first: records.state_donors)."""
         self._provider = provider
         if self.states is not None:
-            self.states.provider = provider
+            self.states.provider = self._serve
+
+    def _serve(self, fragment: int) -> tuple[dict, list]:
+        """A fragment's state for a joiner, with the norms this island accepted lately (NormHistory.seed)."""
+        meta, tensors = self._provider(fragment)
+        return {**meta, "norms": list(self.history[fragment].norms)}, tensors
 
     async def download(self, fragment: int, timeout_s: float, values_only: bool = False):
         if self.states is None:
             return None
         codec = values_codec(self.compression) if values_only else "none"
-        return await self.states.fetch(self.donors(), fragment, timeout_s, codec=codec, momentum=not values_only)
+        got = await self.states.fetch(self.donors(), fragment, timeout_s, codec=codec, momentum=not values_only)
+        if got is not None and not values_only:
+            self.history[fragment].seed(got[0].get("norms"))
+        return got
 
     # --- the rounds -----------------------------------------------------------------------------
 
@@ -196,7 +204,10 @@ class DirectRounds(RoundsBase):
             return own  # the others have applied this round already: catch up instead of waiting
         started = time.monotonic()
         own_norm = tensors_norm(c.delta.values())
-        meta = {"round": c.round, "step": c.step, "fp": c.fingerprint, "stale": c.staleness}
+        # `ref`: what this island's check compares the result with; every member runs every
+        # member's check on the same result (validation.round_verdict), so all apply it or none
+        reference = self.history[c.fragment].reference(own_norm)
+        meta = {"round": c.round, "step": c.step, "fp": c.fingerprint, "stale": c.staleness, "ref": reference}
         try:
             outcome, mean, total, metas, sent, recv = await self._round(
                 c.fragment, c.round, peers, self._flat(c.fragment, c.delta), max(c.weight, STALE_WEIGHT), self.compression,
@@ -234,17 +245,22 @@ class DirectRounds(RoundsBase):
         return result
 
     def _validate(self, c: Contribution, metas: dict[str, dict], delta: dict[str, torch.Tensor], own_norm: float) -> tuple[str | None, float]:
-        """(why the round's result must not be applied (validation.py) or None, the result's norm);
-        blames the members whose own part is out of bounds, and bans repeat offenders."""
+        """(why the round's result must not be applied or None, the result's norm): every
+        member's check (validation.round_verdict), the same verdict on every member. Blames the
+        members whose own part is out of bounds, else those whose check alone rejected a result
+        this island's own check accepts; bans repeat offenders."""
         history = self.history[c.fragment]
         others = [p for p in metas if p != self.me]
-        reference = history.reference(own_norm)
-        why, norm = check_update(delta, c.delta, history)
+        why, norm, judges = round_verdict(delta, c.delta, {p: m.get("ref") for p, m in metas.items()})
         if why is None:
             history.accept(norm)
             self.reputation.accepted(others, time.monotonic())
             return None, norm
-        self._ban([p for p in others if member_report_bad({"norm": metas[p]["value_norm"], "weight": metas[p]["weight"]}, reference)], others)
+        reference = history.reference(own_norm)
+        suspects = [p for p in others if member_report_bad({"norm": metas[p]["value_norm"], "weight": metas[p]["weight"]}, reference)]
+        if not suspects and self.me not in judges:
+            suspects = [p for p in judges if p != self.me]
+        self._ban(suspects, others)
         return why, norm
 
     async def consensus(
