@@ -43,6 +43,10 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message says why and where."""
 
 
+class ForeignCheckpoint(CheckpointError):
+    """A sound checkpoint of another run or configuration (not to be set aside: the wrong --run-dir)."""
+
+
 @dataclasses.dataclass
 class Checkpoint:
     step: int
@@ -84,8 +88,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(run_dir: str | os.PathLike, ckpt: Checkpoint) -> Path:
+    """Write `checkpoint/` anew: into `checkpoint.new`, then swapped in. OSError (a full disk)
+    leaves the previous checkpoint as it was and no `checkpoint.new` behind."""
     final = checkpoint_dir(run_dir)
-    new, old = final.with_name("checkpoint.new"), final.with_name("checkpoint.old")
+    new = final.with_name("checkpoint.new")
+    try:
+        return _save(final, new, ckpt)
+    except OSError:
+        if (final.exists() or final.with_name("checkpoint.old").exists()) and new.exists():
+            shutil.rmtree(new, ignore_errors=True)
+        raise
+
+
+def _save(final: Path, new: Path, ckpt: Checkpoint) -> Path:
+    old = final.with_name("checkpoint.old")
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir(parents=True, mode=0o700)
     blobs = {
@@ -192,7 +208,7 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
     state = _read_state(folder)
     diffs = manifest_differences(dict(manifest), state["manifest"])
     if diffs:
-        raise CheckpointError(
+        raise ForeignCheckpoint(
             f"checkpoint {folder} belongs to another run or configuration ("
             + describe_differences(diffs, mine="this node", theirs="the checkpoint")
             + "); use another --run-dir or the checkpoint's settings"
@@ -223,6 +239,16 @@ def load(run_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> Checkpoint 
         task_state=task_state,
         residual_state=residual_state,
     )
+
+
+def set_aside(run_dir: str | os.PathLike) -> Path:
+    """Move an unusable `checkpoint/` to `checkpoint.corrupt/` (replacing an older one), where an
+    operator can still look at it; returns where it went."""
+    folder = checkpoint_dir(run_dir)
+    aside = folder.with_name("checkpoint.corrupt")
+    shutil.rmtree(aside, ignore_errors=True)
+    folder.rename(aside)
+    return aside
 
 
 def _files(state: dict) -> tuple[str, ...]:

@@ -92,3 +92,65 @@ def test_optimizer_state_refuses_foreign_pickles(tmp_path):
     torch.save({"x": argparse.Namespace(a=1)}, buf)
     with pytest.raises(ck.CheckpointError, match="not optimizer state"):
         ck._load_optimizer_state(buf.getvalue())
+
+
+def test_a_save_the_disk_does_not_take_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A full disk (ENOSPC) in the middle of writing the new checkpoint: the error reaches the
+    caller (the node says so and goes on), the previous checkpoint loads as it was, and no
+    half-written `checkpoint.new` is left to fill the disk further."""
+    import errno
+
+    ck.save(tmp_path, _ckpt(step=5))
+    real, calls = ck._fsync_write, []
+
+    def full(path, data, mode=0o600):
+        calls.append(path.name)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data, mode)
+
+    monkeypatch.setattr(ck, "_fsync_write", full)
+    with pytest.raises(OSError, match="No space"):
+        ck.save(tmp_path, _ckpt(step=9))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert ck.load(tmp_path, {"run_id": "r", "window": 20}).step == 5
+
+
+def test_a_damaged_checkpoint_set_aside_leaves_the_run_dir_without_one(tmp_path):
+    ck.save(tmp_path, _ckpt(step=5))
+    ck.save(tmp_path / "older", _ckpt(step=1))
+    (tmp_path / "older" / "checkpoint").rename(tmp_path / "checkpoint.corrupt")
+    f = tmp_path / "checkpoint" / "global.safetensors"
+    f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.load(tmp_path, {"run_id": "r", "window": 20})
+    assert not isinstance(e.value, ck.ForeignCheckpoint)
+    assert ck.set_aside(tmp_path) == tmp_path / "checkpoint.corrupt"
+    assert ck.load(tmp_path, {"run_id": "r", "window": 20}) is None
+    assert (tmp_path / "checkpoint.corrupt" / "global.safetensors").stat().st_size == 10  # the newer one, for a look
+    with pytest.raises(ck.ForeignCheckpoint):
+        ck.save(tmp_path, _ckpt(step=5))
+        ck.load(tmp_path, {"run_id": "r", "window": 40})
+
+
+def test_the_event_log_drops_what_a_full_disk_does_not_take_and_goes_on(tmp_path):
+    import errno
+
+    from islands.node.events import EventLog, EventTail
+
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit("step", step=1)
+    real = log._file
+
+    class Full:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log._file = Full()
+    log.emit("step", step=2)
+    log.emit("step", step=3)
+    log._file = real
+    log.emit("step", step=4)
+    log.close()
+    assert log.dropped == 2
+    assert [e["step"] for e in EventTail.read(tmp_path / "events.jsonl")] == [1, 4]
