@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -34,21 +37,36 @@ def rotate(path: Path) -> Path | None:
 
 
 class EventLog:
-    """Appends events, flushed line by line so a crash loses at most the line being written."""
+    """Appends events, each line in one unbuffered write, so a crash loses at most the line being
+    written. A line the disk does not take (full) is dropped, counted, and said once per outage:
+    the node goes on, and the log resumes when there is room again."""
 
     def __init__(self, path: str | os.PathLike | None, clock=time.time):
         self._clock = clock
         self._file = None
+        self.dropped = 0
+        self._failing = False
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")
+            self._file = open(path, "ab", buffering=0)
 
     def emit(self, event: str, **fields: Any) -> dict:
         record = {"t": round(self._clock(), 6), "event": event, **_clean(fields)}
         if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+            line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+            try:
+                if self._failing and self.dropped:
+                    # a line cut short by the outage ends here, so that the next one parses
+                    self._file.write(b"\n")
+                if self._file.write(line) != len(line):
+                    raise OSError("the line was written in part")
+                self._failing = False
+            except OSError as e:
+                self.dropped += 1
+                if not self._failing:
+                    logger.warning("the event log cannot be written (%s): events are dropped until it can", e)
+                self._failing = True
         return record
 
     def close(self) -> None:
