@@ -92,6 +92,8 @@ class Island:
         self.trainer: TaskTrainer | None = None
         self.shard = -1
         self.resume: ckpt_io.Checkpoint | None = None
+        self.set_aside: tuple[Path, str] | None = None
+        """A damaged checkpoint moved aside at start (where, why), for the event log once it is open."""
         self.resumed_task_state: dict | None = None
         if task is not None:
             self.task_fn = lambda ctx: task
@@ -129,10 +131,26 @@ class Island:
             raise StartupError(str(e)) from None
 
     def _load_checkpoint(self) -> None:
+        """The run dir's checkpoint to resume from. One that is damaged (truncated, corrupt: a
+        crash or a full disk under it) is set aside when the island joins a swarm, which gives it
+        the run's state as to any joiner; alone, it is the operator's to decide (StartupError)."""
         try:
             self.resume = ckpt_io.load(self.run_dir, self.manifest)
-        except ckpt_io.CheckpointError as e:
+        except ckpt_io.ForeignCheckpoint as e:
             raise StartupError(str(e)) from None
+        except ckpt_io.CheckpointError as e:
+            if not self.cfg.net.join:
+                raise StartupError(f"{e}; without --join no swarm can give this island the run's state: "
+                                   "move the checkpoint aside to start over") from None
+            self.set_aside = (ckpt_io.set_aside(self.run_dir), str(e))
+            logger.warning("%s: set aside as %s; this island takes the swarm's state", e, self.set_aside[0])
+
+    def _report_set_aside(self, out: Outputs) -> None:
+        if self.set_aside is not None:
+            where, why = self.set_aside
+            out.events.emit("checkpoint_set_aside", moved_to=str(where), reason=why)
+            out.progress.note(f"{why}: set aside as {where}; taking the swarm's state instead")
+            self.set_aside = None
 
     async def run(
         self, shutdown: Shutdown, announce: Callable[[str], None] = print, ready: Callable[[], None] = lambda: None
@@ -179,6 +197,7 @@ class Island:
             return loop.run_in_executor(torch_thread, fn, *args)
 
         out = Outputs.open(self.cfg, self.run_dir, network)
+        self._report_set_aside(out)
         try:
             if self.entry is not None:
                 await self._build_task(shutdown, network, out, run_torch)
@@ -301,6 +320,7 @@ class Island:
             cfg.net.run_id, task_api.manifest_model(self.entry, self.model), cfg.diloco.manifest_fields(), layout_digest(self.layout, shapes),
         )
         self._load_checkpoint()
+        self._report_set_aside(out)
         try:
             await network.start(self.manifest, self.shapes)
         except (ManifestMismatch, NetworkError) as e:
@@ -382,7 +402,7 @@ class Island:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and trainer.evaluate is not None:
             out.events.emit("eval", step=step, eval_loss=await run_torch(trainer.evaluate))
         if core.sync.quiet and step - state.last_checkpoint >= (cfg.output.checkpoint_every or core.schedule.window):
-            await run_torch(self._save, core, trainer, state)
+            await self._checkpoint(core, trainer, state, out, run_torch)
             state.last_checkpoint = step
         frag, at = core.schedule.next_round(step)
         tokens_per_s = rate(state.rates)
@@ -409,7 +429,9 @@ class Island:
             await core.agree(state.step, shutdown.is_set, out.progress)
         await core.withdraw()
         try:
-            finish.checkpoint = await run_torch(self._save, core, trainer, state)
+            finish.checkpoint = await self._checkpoint(core, trainer, state, out, run_torch)
+            if finish.checkpoint is None:
+                state.reason, state.failed = f"{state.reason}; the last checkpoint could not be written", True
             if not (self.sharded and state.failed) and trainer.evaluate is not None:  # a sharded evaluation needs every rank
                 finish.eval_loss = await run_torch(trainer.evaluate)
                 finish.global_eval_loss = await run_torch(self._evaluate_global, trainer, core)
@@ -427,6 +449,16 @@ class Island:
                 gather_peak_bytes=self.ranks.gather_peak_bytes if self.sharded else None,
             )
         return finish
+
+    async def _checkpoint(self, core: IslandCore, trainer: Trainer | TaskTrainer, state: LoopState, out: Outputs, run_torch) -> Path | None:
+        """Checkpoint, or, when the disk will not take it (full, gone read-only), say so and go on:
+        the previous checkpoint stays as it was (`checkpoint_failed` event); None then."""
+        try:
+            return await run_torch(self._save, core, trainer, state)
+        except OSError as e:
+            out.events.emit("checkpoint_failed", step=state.step, reason=str(e))
+            out.progress.note(f"checkpoint at step {state.step} failed, the previous one is kept: {e}")
+            return None
 
     def _save(self, core: IslandCore, trainer: Trainer | TaskTrainer, state: LoopState) -> Path:
         """Checkpoint the island at `state.step` (the torch thread)."""

@@ -187,3 +187,32 @@ def test_identity_keeps_the_peer_id(capsys, tmp_path):
         ids.append(json.loads((run / "events.jsonl").read_text().splitlines()[0])["peer_id"])
     assert ids[0] == ids[1] and len(ids[0]) > 40
     assert key.stat().st_mode & 0o077 == 0
+
+
+def test_a_damaged_checkpoint_is_set_aside_by_an_island_that_joins_a_swarm(tmp_path):
+    """With --join the swarm gives the island the run's state, as to any joiner: its damaged
+    checkpoint (a crash or a full disk under it) goes to checkpoint.corrupt and it starts without
+    one; alone it refuses to start (the operator's to decide), the checkpoint untouched."""
+    import dataclasses
+
+    from islands.node import checkpoint as ck
+    from islands.node.config import Config
+    from islands.node.daemon import StartupError
+    from islands.node.loop import Island
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, run_dir=str(tmp_path)))
+    fresh = Island(cfg)
+    state = {n: p.detach() for n, p in fresh.model.named_parameters()}
+    ck.save(tmp_path, ck.Checkpoint(
+        step=7, manifest=fresh.manifest, global_state=state, local_state=state, outer_state=state, inner_opt_state={},
+        fragments=[], totals={}, inner_opt="adamw",
+    ))
+    f = tmp_path / "checkpoint" / "outer.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(StartupError, match="outer.safetensors is truncated.*without --join"):
+        Island(cfg)
+    assert f.stat().st_size == 100
+    joiner = Island(dataclasses.replace(cfg, net=dataclasses.replace(cfg.net, join=["/ip4/127.0.0.1/tcp/1"])))
+    assert joiner.resume is None and joiner.set_aside[0] == tmp_path / "checkpoint.corrupt"
+    assert "truncated" in joiner.set_aside[1] and not (tmp_path / "checkpoint").exists()
