@@ -149,7 +149,7 @@ class FragmentSync:
             {
                 "fragment": fragment, "step": step, "applied_step": step, "round": round_,
                 "outcome": "skipped_no_contact", "policy": "accumulate", "group_size": 0,
-                "weight": 0.0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
+                "weight": 0.0, "tokens": 0, "group_weight": 0.0, "bytes_sent": 0, "bytes_recv": 0, "seconds": 0.0,
                 "staleness": max(0, round_ - d.counters[fragment].round - 1), "consensus": None, "reason": None, "norm_ratio": None,
                 "deposits": 0, "digest": None, "members": None, "attempts": None,
             }
@@ -197,6 +197,7 @@ class FragmentSync:
                 "policy": plan.policy,
                 "group_size": result.group_size,
                 "weight": c.weight,
+                "tokens": c.tokens,
                 "group_weight": result.weight,
                 "bytes_sent": result.bytes_sent,
                 "bytes_recv": result.bytes_recv + c.deposit_bytes,
