@@ -39,13 +39,18 @@ def rotate(path: Path) -> Path | None:
 class EventLog:
     """Appends events, each line in one unbuffered write, so a crash loses at most the line being
     written. A line the disk does not take (full) is dropped, counted, and said once per outage:
-    the node goes on, and the log resumes when there is room again."""
+    the node goes on, and when there is room again the log resumes with a `log_gap` event (how
+    many events were dropped, from when) before the next one."""
 
     def __init__(self, path: str | os.PathLike | None, clock=time.time):
         self._clock = clock
         self._file = None
         self.dropped = 0
-        self._failing = False
+        """Events dropped in all, over every outage."""
+        self._gap: tuple[float, int] | None = None
+        """(time of the first dropped event, events dropped) of the outage under way."""
+        self._cut = False
+        """The last write put part of a line in the file."""
         if path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,20 +59,34 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> dict:
         record = {"t": round(self._clock(), 6), "event": event, **_clean(fields)}
         if self._file is not None:
-            line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+            line = self._line(record)
+            if self._gap is not None:
+                since, n = self._gap
+                line = self._line({"t": record["t"], "event": "log_gap", "dropped": n, "since": since}) + line
+            if self._cut:
+                # the line the outage cut short ends here, so that the next one parses
+                line = b"\n" + line
             try:
-                if self._failing and self.dropped:
-                    # a line cut short by the outage ends here, so that the next one parses
-                    self._file.write(b"\n")
-                if self._file.write(line) != len(line):
-                    raise OSError("the line was written in part")
-                self._failing = False
+                written = self._file.write(line)
             except OSError as e:
+                written, error = 0, e
+            else:
+                error = None if written == len(line) else OSError("the line was written in part")
+            if error is None:
+                self._gap, self._cut = None, False
+            else:
                 self.dropped += 1
-                if not self._failing:
-                    logger.warning("the event log cannot be written (%s): events are dropped until it can", e)
-                self._failing = True
+                self._cut = self._cut or written > 0
+                if self._gap is None:
+                    logger.warning("the event log cannot be written (%s): events are dropped until it can", error)
+                    self._gap = (record["t"], 1)
+                else:
+                    self._gap = (self._gap[0], self._gap[1] + 1)
         return record
+
+    @staticmethod
+    def _line(record: dict) -> bytes:
+        return (json.dumps(record, separators=(",", ":")) + "\n").encode()
 
     def close(self) -> None:
         if self._file is not None:

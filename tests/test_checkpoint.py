@@ -128,23 +128,31 @@ def test_a_damaged_checkpoint_set_aside_leaves_the_run_dir_without_one(tmp_path)
     assert ck.set_aside(tmp_path) == tmp_path / "checkpoint.corrupt"
     assert ck.load(tmp_path, {"run_id": "r", "window": 20}) is None
     assert (tmp_path / "checkpoint.corrupt" / "global.safetensors").stat().st_size == 10  # the newer one, for a look
+    ck.save(tmp_path, _ckpt(step=5))
     with pytest.raises(ck.ForeignCheckpoint):
-        ck.save(tmp_path, _ckpt(step=5))
         ck.load(tmp_path, {"run_id": "r", "window": 40})
 
 
-def test_the_event_log_drops_what_a_full_disk_does_not_take_and_goes_on(tmp_path):
+def test_the_event_log_drops_what_a_full_disk_does_not_take_and_says_so_when_it_has_room(tmp_path):
     import errno
 
     from islands.node.events import EventLog, EventTail
 
-    log = EventLog(tmp_path / "events.jsonl")
+    log = EventLog(tmp_path / "events.jsonl", clock=iter(range(1, 10)).__next__)
     log.emit("step", step=1)
     real = log._file
 
     class Full:
+        """Takes the first bytes of a line, then nothing."""
+
+        def __init__(self):
+            self.room = 7
+
         def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            if not self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n, self.room = min(self.room, len(data)), 0
+            return real.write(data[:n])
 
     log._file = Full()
     log.emit("step", step=2)
@@ -153,4 +161,9 @@ def test_the_event_log_drops_what_a_full_disk_does_not_take_and_goes_on(tmp_path
     log.emit("step", step=4)
     log.close()
     assert log.dropped == 2
-    assert [e["step"] for e in EventTail.read(tmp_path / "events.jsonl")] == [1, 4]
+    lines = (tmp_path / "events.jsonl").read_bytes().splitlines()
+    assert lines[1] == b'{"t":2,'  # the line the disk cut short ends on its own
+    events = EventTail.read(tmp_path / "events.jsonl")
+    assert [(e["event"], e.get("step"), e.get("dropped"), e.get("since")) for e in events] == [
+        ("step", 1, None, None), ("log_gap", None, 2, 2), ("step", 4, None, None),
+    ]
