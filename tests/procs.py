@@ -201,16 +201,17 @@ class Nodes:
 
     def start(
         self, name: str, args: list[str], relay: list[str] | None = None, command: list[str] = NODE, host: str = "127.0.0.1",
+        relay_root: Path | None = None,
     ) -> NodeProcess:
         """With `relay` (the relay's options), the node listens on a fresh port of `host` behind a relay and
         announces it, and its rounds' transport (`--data-listen`) behind a second one with the same
-        options; `command`: what runs it (tests.hostile for a hostile peer)."""
+        options; the relays' files go to `relay_root / name` (default: the node's folder);
+        `command`: what runs it (tests.hostile for a hostile peer)."""
         if relay is not None:
             port, data_port = free_port(), free_port()
-            link = RelayProcess(port, self.root / name, [*relay, "--stats-file", str(self.root / name / "relay.json")], to_host=host)
-            data = RelayProcess(
-                data_port, self.root / name / "data-relay", [*relay, "--stats-file", str(self.root / name / "relay-data.json")], to_host=host,
-            )
+            where = (relay_root or self.root) / name
+            link = RelayProcess(port, where, [*relay, "--stats-file", str(where / "relay.json")], to_host=host)
+            data = RelayProcess(data_port, where / "data-relay", [*relay, "--stats-file", str(where / "relay-data.json")], to_host=host)
             self.relays += [link, data]
             self.links[name] = [link, data]
             args = [*args, "--listen", f"/ip4/{host}/tcp/{port}", "--announce", link.maddr,
