@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import torch
 from islands.protocols.diloco import StreamingDiLoCo
+from islands.protocols.policy import holds_swarm_base
 
 from .config import Config
 from .events import EventLog
@@ -51,6 +52,9 @@ class IslandCore:
         self.timeouts = network.timeouts
         self.diloco = StreamingDiLoCo(cfg.diloco, layout, params, satellite=role.satellite)
         self.sync: FragmentSync | None = None
+        self.unsound: set[int] = set()
+        """Fragments whose agreed values are not the swarm's: it joined without the swarm's state
+        (`catch_up`); none is given to a joiner until a round brings it (policy.holds_swarm_base)."""
         self._refreshes: set[asyncio.Future] = set()
 
     # --- joining -------------------------------------------------------------------------
@@ -71,6 +75,7 @@ class IslandCore:
             # no usable state: take the swarm's step anyway; this island's first round of each
             # fragment is then stale (it counts ~0) and it rebases on an island's fragment after it
             progress.note("could not download the swarm's state; joining at its step with a stale base")
+            self.unsound = set(range(self.schedule.fragments))
             self.events.emit("join", step=ahead[1], state_from=None, seconds=round(time.monotonic() - started, 3), bytes=0)
             return ahead[1]
 
@@ -81,8 +86,12 @@ class IslandCore:
                     for n, t in g.items():
                         self.params[n].copy_(t)
 
-        await self.run_torch(take)
         new_step = min(int(meta["step"]) for _, meta, _, _ in got)
+        if new_step < step:
+            # a donor behind this island's own state (its checkpoint): keep that instead
+            progress.note(f"the swarm's state came at step {new_step}, behind this island's {step}: kept its own")
+            return None
+        await self.run_torch(take)
         sources = [str(meta.get("peer_id")) for _, meta, _, _ in got]
         size = sum(state_bytes(g, m) for _, _, g, m in got)
         seconds = time.monotonic() - started
@@ -121,6 +130,7 @@ class IslandCore:
 
     def start(self, start_step: int) -> None:
         """Serve this island's state to joiners and begin syncing fragments on the schedule."""
+        self.network.status.step = start_step  # what a joiner's download says, before the first step
         if self.role.serves_state:
             self.rounds.share_state(self._state_for_joiners, priority=float(start_step))
         # a round its role does not allow now (a satellite short of contact) is `skipped_no_contact`
@@ -129,7 +139,10 @@ class IslandCore:
             can_round=lambda: self.role.may_round(self.network.round_budget_s),
         )
 
-    def _state_for_joiners(self, fragment: int) -> tuple[dict, list]:
+    def _state_for_joiners(self, fragment: int) -> tuple[dict, list] | None:
+        """(metadata, tensors) of a fragment for a joiner, or None: not the swarm's values (`unsound`)."""
+        if fragment in self.unsound:
+            return None
         round_, tensors = self.diloco.fragment_state(fragment)
         meta = {"peer_id": self.network.peer_id, "step": self.network.status.step, "round": round_, "run_id": self.cfg.net.run_id}
         return meta, tensors
@@ -162,6 +175,8 @@ class IslandCore:
             "step": record["step"], "outcome": record["outcome"], "group_size": record["group_size"],
         }
         self.events.emit("sync", **record)
+        if record["fragment"] in self.unsound and holds_swarm_base(record["outcome"], record["policy"], record["staleness"], record["consensus"]):
+            self.unsound.discard(record["fragment"])
         if self.metrics is not None:
             self.metrics.on_sync(record)
         # tell the swarm at once: an island that fell behind reads this to skip the round

@@ -42,7 +42,9 @@ class Rounds(Protocol):
 
     async def average(self, contribution: Contribution, wait_s: float | None = None) -> RoundResult: ...
 
-    async def download(self, fragment: int, timeout_s: float, values_only: bool = False) -> tuple[dict, list] | None: ...
+    async def download(
+        self, fragment: int, timeout_s: float, values_only: bool = False, min_round: int = 0,
+    ) -> tuple[dict, list] | None: ...
 
     def fold_deposits(self, contribution: Contribution) -> Contribution: ...
 
@@ -55,12 +57,13 @@ class Rounds(Protocol):
 
 
 async def download_state(
-    rounds: Rounds, diloco: StreamingDiLoCo, fragment: int, timeout_s: float, values_only: bool = False,
+    rounds: Rounds, diloco: StreamingDiLoCo, fragment: int, timeout_s: float, values_only: bool = False, min_round: int = 0,
 ) -> tuple[dict, dict, dict | None] | str:
     """(metadata, agreed values, momentum) of a fragment from the island of highest priority that
     answers, checked against this island's layout, or why none came; `values_only` (a satellite
-    after its deposit): the values, compressed, and no momentum (None)."""
-    item = await rounds.download(fragment, timeout_s=timeout_s, values_only=values_only)
+    after its deposit): the values, compressed, and no momentum (None); `min_round`: a donor whose
+    fragment is at an earlier round is passed over for the next."""
+    item = await rounds.download(fragment, timeout_s=timeout_s, values_only=values_only, min_round=min_round)
     if item is None:
         return "no state came"
     meta, tensors = item
@@ -213,10 +216,10 @@ class FragmentSync:
             }
         )
 
-    async def _download(self, fragment: int, values_only: bool = False) -> tuple[dict, dict | None, int, int] | str:
+    async def _download(self, fragment: int, values_only: bool = False, min_round: int = 0) -> tuple[dict, dict | None, int, int] | str:
         """The fragment's (agreed values, momentum, round, bytes on the wire) from the island of
-        highest priority that answers, or why none came (`values_only`: see download_state)."""
-        got = await download_state(self.averager, self.diloco, fragment, self.timeouts.download_s, values_only)
+        highest priority that answers, or why none came (`values_only`, `min_round`: see download_state)."""
+        got = await download_state(self.averager, self.diloco, fragment, self.timeouts.download_s, values_only, min_round)
         if isinstance(got, str):
             return got
         meta, g, m = got
@@ -247,7 +250,8 @@ class FragmentSync:
         """Download the fragment's agreed values, momentum and round from an island and bring them
         to round `round_` (applying the averaged delta if the donor has not yet); False if none came."""
         d = self.diloco
-        got = await self._download(fragment)
+        # an island as stale as this one (another joiner, say) has nothing to rebase on: the next
+        got = await self._download(fragment, min_round=round_ - 1)
         if isinstance(got, str):
             logger.warning("fragment %d round %d: no state to rebase on (%s)", fragment, round_, got)
             return False

@@ -56,3 +56,14 @@ def after_failed_rebase(satellite: bool) -> Plan:
     if satellite:
         return Plan("accumulate", "accumulate")
     return Plan("apply", "averaged", advance_round=False)
+
+
+def holds_swarm_base(outcome: str, policy: str, staleness: int, consensus: str | None) -> bool:
+    """Whether, after a round of a fragment, an island holds the swarm's agreed values of it: a
+    round that averaged with others and was not stale (its base was the swarm's), or one after
+    which it took an island's values (a rebase) or the group's (a consensus round). An island
+    that joined without the swarm's state holds only its own initial values until then, and
+    gives no joiner its state meanwhile (node/island.py)."""
+    if outcome != "ok":
+        return False
+    return policy == "rebased" or consensus == "ok" or (policy == "averaged" and staleness == 0)

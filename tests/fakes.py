@@ -148,6 +148,8 @@ class Hub:
         self.deposits: dict[tuple[str, int], list[Contribution]] = {}
         """(island, fragment) -> satellites' contributions deposited with it, not yet folded in."""
         self.log: list[tuple] = []
+        self.no_state: set[str] = set()
+        """Islands whose state downloads fail (gone mid-download, say)."""
 
     def kill(self, peer: str) -> None:
         """The member dies: every round waiting for it fails at once for the others."""
@@ -245,18 +247,21 @@ class FakeRounds:
     def share_state(self, provider: Callable, priority: float) -> None:
         self.hub.states[self.network.peer_id] = (provider, self.network, self)
 
-    async def download(self, fragment: int, timeout_s: float, values_only: bool = False) -> tuple[dict, list] | None:
-        """From the donor furthest ahead (the node's refresh sets a donor's priority to its step)."""
+    async def download(self, fragment: int, timeout_s: float, values_only: bool = False, min_round: int = 0) -> tuple[dict, list] | None:
+        """From the donor furthest ahead that gives it (the node's refresh sets a donor's priority to its step)."""
         me = self.network.peer_id
         donors = [
             (network.status.step, peer) for peer, (_, network, _) in self.hub.states.items()
             if peer != me and peer not in self.hub.dead and self.network.board.reaches(me, peer)
         ]
-        if not donors:
+        for _, peer in sorted(donors, reverse=True):  # as records.state_donors: the furthest first
+            provider, _, rounds = self.hub.states[peer]
+            got = None if peer in self.hub.no_state else provider(fragment)
+            if got is not None and got[0]["round"] >= min_round:
+                break
+        else:
             return None
-        _, peer = max(donors)
-        provider, _, rounds = self.hub.states[peer]
-        meta, tensors = provider(fragment)
+        meta, tensors = got
         if values_only:
             return meta, tensors[: len(tensors) // 2]
         # as the real rounds: the donor's accepted norms come with its state

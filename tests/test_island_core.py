@@ -228,3 +228,43 @@ async def test_a_joiner_whose_first_update_is_small_applies_its_first_rounds_as_
     for island in (a, b):
         assert [s for s in island.syncs() if s[0] >= 40] == c.syncs()
     assert _same(a, c) and _same(b, c)
+
+
+async def test_a_joiner_that_got_no_state_gives_none_until_a_round_gives_it_the_swarms():
+    """The chaos soak's finding: C joined as its only donor died mid-download, so it trained on
+    from its own initial values at the swarm's step; a restarted island then took C's values as
+    the swarm's, and a second joiner took C's state at step 0 (C's record still said 0). Now
+    C gives no state until a round gives it the swarm's values; D, joining next, takes A's or
+    B's even though C is first in the donors' order (same step, larger peer id); E, asking D
+    before D's first step, gets D's step; and after its first rounds C gives the swarm's state.
+    A stale island rebases on a donor at the round it needs, not on one as stale as itself."""
+    board, hub, (a, b, c, d, e) = _swarm(1.0, -1.0, 0.5, 0.2, 0.3, steps=80)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(33), b.run(33))
+    hub.no_state = {"a", "b"}
+    await c.join()
+    assert c.events.of("join")[0] == {**c.events.of("join")[0], "step": 33, "state_from": None, "bytes": 0}
+    assert c.core.unsound == {0, 1} and not _same(c, a)
+    hub.no_state = set()
+    await d.join()
+    assert d.events.of("join")[0] == {**d.events.of("join")[0], "step": 33, "sources": ["b", "b"]}
+    assert _same(d, a)
+    hub.no_state = {"a", "b"}
+    await e.join()
+    assert e.events.of("join")[0] == {**e.events.of("join")[0], "step": 33, "sources": ["d", "d"]}
+    hub.no_state = set()
+    await asyncio.gather(*(i.run(60) for i in (a, b, c, d, e)))
+    # C's first round of each fragment was stale (weight ~0) and rebased it on an island's values
+    # (D and E, whose state came as fragment 0's round 3 was in flight, are stale in round 4 too:
+    # they rebase on A's or B's, not on each other's, which is behind; every island at its round)
+    assert [(ev["fragment"], ev["outcome"], ev["policy"]) for ev in c.events.of("sync")][:2] == [(1, "ok", "rebased"), (0, "ok", "rebased")]
+    assert all([ev["policy"] for ev in i.events.of("sync")][:2] == ["averaged", "rebased"] for i in (d, e))
+    assert c.core.unsound == set()
+    hub.no_state = {"a", "b", "d", "e"}
+    f = ToyIsland("f", board, hub, config(steps=80), 0.0)
+    await f.join()
+    assert f.events.of("join")[0]["sources"] == ["c", "c"] and _same(f, c)
+    await asyncio.gather(*(i.run(80) for i in (a, b, c, d, e, f)))
+    await asyncio.gather(*(i.leave() for i in (a, b, c, d, e, f)))
+    assert all(_same(a, i) for i in (b, c, d, e, f))

@@ -11,7 +11,7 @@ from islands.protocols.outer import (
     token_weight,
     weighted_average,
 )
-from islands.protocols.policy import Plan, after_failed_rebase, after_round
+from islands.protocols.policy import Plan, after_failed_rebase, after_round, holds_swarm_base
 from islands.protocols.schedule import (
     Schedule,
     check_schedule,
@@ -375,6 +375,23 @@ def test_the_plan_after_a_round(outcome, deposited, consensus, staleness, satell
 def test_after_a_failed_rebase_an_island_applies_to_its_stale_base_and_a_satellite_waits():
     assert after_failed_rebase(satellite=False) == Plan("apply", "averaged", advance_round=False)
     assert after_failed_rebase(satellite=True) == Plan("accumulate", "accumulate")
+
+
+@pytest.mark.parametrize(
+    "outcome, policy, staleness, consensus, expected",
+    [
+        ("ok", "averaged", 0, None, True),  # averaged on the swarm's base
+        ("ok", "rebased", 3, None, True),  # took an island's values
+        ("ok", "averaged", 3, None, False),  # the rebase found no donor: still its own base
+        ("ok", "averaged", 3, "ok", True),  # the group's values, re-averaged
+        ("ok", "averaged", 3, "failed", False),
+        ("failed", "own_update", 0, None, False),
+        ("solo", "own_update", 0, None, False),
+        ("rejected", "own_update", 0, None, False),
+    ],
+)
+def test_which_rounds_give_an_island_the_swarms_values(outcome, policy, staleness, consensus, expected):
+    assert holds_swarm_base(outcome, policy, staleness, consensus) is expected
 
 
 def test_layer_groups_read_from_parameter_names():

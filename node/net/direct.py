@@ -128,16 +128,20 @@ class DirectRounds(RoundsBase):
         if self.states is not None:
             self.states.provider = self._serve
 
-    def _serve(self, fragment: int) -> tuple[dict, list]:
-        """A fragment's state for a joiner, with the norms this island accepted lately (NormHistory.seed)."""
-        meta, tensors = self._provider(fragment)
+    def _serve(self, fragment: int) -> tuple[dict, list] | None:
+        """A fragment's state for a joiner, with the norms this island accepted lately
+        (NormHistory.seed); None while this island has none to give (IslandCore.unsound)."""
+        got = self._provider(fragment)
+        if got is None:
+            return None
+        meta, tensors = got
         return {**meta, "norms": list(self.history[fragment].norms)}, tensors
 
-    async def download(self, fragment: int, timeout_s: float, values_only: bool = False):
+    async def download(self, fragment: int, timeout_s: float, values_only: bool = False, min_round: int = 0):
         if self.states is None:
             return None
         codec = values_codec(self.compression) if values_only else "none"
-        got = await self.states.fetch(self.donors(), fragment, timeout_s, codec=codec, momentum=not values_only)
+        got = await self.states.fetch(self.donors(), fragment, timeout_s, codec=codec, momentum=not values_only, min_round=min_round)
         if got is not None and not values_only:
             self.history[fragment].seed(got[0].get("norms"))
         return got

@@ -27,7 +27,9 @@ from . import streams
 
 logger = logging.getLogger(__name__)
 
-Provider = Callable[[int], tuple[dict, list[torch.Tensor]]]
+Provider = Callable[[int], tuple[dict, list[torch.Tensor]] | None]
+"""A fragment's (metadata, tensors), or None while the island has none to give."""
+NOTHING_YET = "no state to give yet"
 
 
 def state_key(namespace: str, fragment: int) -> str:
@@ -82,7 +84,7 @@ class StateBox:
         if self.round_key is not None and not tag_valid(self.round_key, peer, state_key(self.namespace, fragment), request.get("auth")):
             return "no valid tag for this swarm's key", fragment
         if self.provider is None:
-            return "no state to give yet", fragment
+            return NOTHING_YET, fragment
         return None, fragment
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -93,12 +95,15 @@ class StateBox:
             except (PartError, asyncio.IncompleteReadError, TimeoutError) as e:
                 request = {"malformed": repr(e)}
             why, fragment = self._why_refused(peer, request)
+            got = self.provider(fragment) if why is None else None
+            if why is None and got is None:
+                why = NOTHING_YET  # the provider's values are not the swarm's (IslandCore.unsound)
             if why is not None:
-                if why != "no state to give yet":
+                if why != NOTHING_YET:
                     self.on_refused(f"state request from {peer}: {why}")
                 await streams.send(writer, streams.message({"refused": why[:300]}))
                 return
-            meta, tensors = self.provider(fragment)
+            meta, tensors = got
             half = len(tensors) // 2
             codec, momentum = str(request.get("values", "none")), bool(request.get("momentum", True))
 
@@ -119,10 +124,12 @@ class StateBox:
 
     async def fetch(
         self, donors: Sequence[str], fragment: int, timeout_s: float, codec: str = "none", momentum: bool = True,
+        min_round: int = 0,
     ) -> tuple[dict, list[torch.Tensor]] | None:
         """(metadata, tensors) of `fragment` from the first of `donors` that gives it within
         `timeout_s` in all, or None: the agreed values in `codec`, then (`momentum`) the momentum;
-        the metadata's "wire_bytes" says how many bytes of values came."""
+        the metadata's "wire_bytes" says how many bytes of values came. A donor whose fragment is
+        at a round before `min_round` is left at its metadata for the next."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for donor in donors:
@@ -130,12 +137,12 @@ class StateBox:
             if left <= 0:
                 break
             try:
-                return await asyncio.wait_for(self._fetch_from(donor, fragment, codec, momentum), timeout=left)
+                return await asyncio.wait_for(self._fetch_from(donor, fragment, codec, momentum, min_round), timeout=left)
             except Exception as e:  # noqa: BLE001 - refused, gone, timed out, garbled: try the next
                 logger.info("fragment %d: no state from %s: %r", fragment, donor, e)
         return None
 
-    async def _fetch_from(self, donor: str, fragment: int, codec: str, momentum: bool) -> tuple[dict, list[torch.Tensor]]:
+    async def _fetch_from(self, donor: str, fragment: int, codec: str, momentum: bool, min_round: int = 0) -> tuple[dict, list[torch.Tensor]]:
         me = self.p2p.peer_id.to_base58()
         request = {"fragment": fragment, "values": codec, "momentum": momentum}
         if self.round_key is not None:
@@ -146,6 +153,8 @@ class StateBox:
             meta = await streams.read_message(reader)
             if "refused" in meta:
                 raise StateRefused(str(meta["refused"]))
+            if int(meta.get("round", 0)) < min_round:
+                raise StateRefused(f"its fragment is at round {meta.get('round')}, before {min_round}")
             shapes, got = self.shapes[fragment], 0
             tensors: list[torch.Tensor] = []
             for wanted in [codec, "none"][: 1 + momentum]:
