@@ -126,7 +126,7 @@ class NetConfig:
     )
     metrics_port: int | None = _opt(None, "serve Prometheus metrics at http://METRICS_HOST:N/metrics (0: any free port, logged)", metavar="N")
     metrics_host: str = _opt("127.0.0.1", "address the metrics endpoint listens on (0.0.0.0 for a remote Prometheus)", metavar="ADDR")
-    wait_islands: int = _opt(1, "before step 1, wait until this many islands are in the swarm (see --wait-timeout-s)", metavar="N")
+    wait_islands: int = _opt(1, "before step 1, wait until this many islands are in the swarm (see --wait-timeout-s); not once another island has trained: the run is under way", metavar="N")
     wait_timeout_s: float = _opt(120.0, "give up waiting for --wait-islands after this long and train anyway", metavar="S")
     match_wait_s: float = _opt(5.0, "how long a round waits for the other islands before it runs with whoever came", metavar="S")
     leave_timeout_s: float = _opt(10.0, "on SIGINT/SIGTERM, rounds in flight get this long in all to finish, then are abandoned", metavar="S")

@@ -243,7 +243,9 @@ async def wait_for_islands(network: Network, want: int, shutdown: Callable[[], b
     seen = await network.wait_for_islands(
         want, timeout_s, shutdown, Changed(lambda n: progress.note(f"waiting for islands: {n} of {want} {what}")), ready=ready,
     )
-    if seen < want:
+    if seen < want and network.under_way():
+        progress.note(f"{seen} of {want} islands {what}, but the run is under way: joining it")
+    elif seen < want:
         progress.note(f"only {seen} of {want} islands {what} after {timeout_s:g}s; training anyway")
 
 

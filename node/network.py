@@ -360,12 +360,13 @@ class Network:
     async def wait_for_islands(
         self, count: int, timeout_s: float, shutdown: Callable[[], bool], on_wait: Callable[[int], None], ready: bool = False,
     ) -> int:
-        """Wait (bounded) until `count` islands are present (`ready`: and have opened their rounds);
-        the number seen."""
+        """Wait (bounded) until `count` islands are present (`ready`: and have opened their rounds),
+        or until another island has trained a step (the run is under way: this island joins it, as
+        one restarted without its checkpoint does); the number seen."""
         counted = self.ready_islands if ready else self.live_islands
         deadline = self._monotonic() + timeout_s
         seen = counted()
-        while seen < count and self._monotonic() < deadline and not shutdown():
+        while seen < count and not self.under_way() and self._monotonic() < deadline and not shutdown():
             on_wait(seen)
             await self._pause(0.5)
             await self.refresh()
@@ -399,6 +400,11 @@ class Network:
                 return posted
             await self._pause(0.3)
             await self.read_peers(timeout_s=self.timeouts.end_read_s)
+
+    def under_way(self) -> bool:
+        """Whether another island has trained past step 0 (by its record)."""
+        ahead = self.ahead()
+        return ahead is not None and ahead[1] > 0
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""

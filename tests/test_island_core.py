@@ -268,3 +268,21 @@ async def test_a_joiner_that_got_no_state_gives_none_until_a_round_gives_it_the_
     await asyncio.gather(*(i.run(80) for i in (a, b, c, d, e, f)))
     await asyncio.gather(*(i.leave() for i in (a, b, c, d, e, f)))
     assert all(_same(a, i) for i in (b, c, d, e, f))
+
+
+async def test_an_island_told_to_wait_for_islands_does_not_once_the_run_is_under_way():
+    """--wait-islands N holds the start of a run until N islands are here; an island restarted
+    later with the same command line (its checkpoint set aside: step 0) joins at once. Found by
+    the chaos soak: the restarted island waited the whole wait timeout while its record, in the
+    others' count of the swarm, made their rounds fail with no member to average with."""
+    board, hub, (a, b, c) = _swarm(1.0, -1.0, 0.5, steps=40)
+    start = board.clock()
+    await c.network.refresh()
+    assert await c.network.wait_for_islands(3, 60.0, lambda: False, lambda n: None) == 1
+    assert board.clock() - start == 60.0  # alone at the start of a run: the whole wait
+    await a.join()
+    await a.run(5)
+    await b.network.refresh()  # as a node's start-up has read the records before it waits
+    start = board.clock()
+    assert await b.network.wait_for_islands(4, 60.0, lambda: False, lambda n: None) == 3
+    assert board.clock() == start  # A has trained: B joins the run at once

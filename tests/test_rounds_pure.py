@@ -196,6 +196,16 @@ def test_alone_or_out_of_attempts_the_round_fails():
     assert isinstance(r.handle(PeerGone("c"), 0.1)[0], Fail)
 
 
+def test_a_member_whose_peer_runs_the_round_as_a_reduce_scatter_fails_it_saying_why():
+    """Members that count different members (their records differ) may choose different kinds of
+    round (uses_scatter): an all-gather member that receives a reduced slice fails at once."""
+    r = Round("a", ["a", "b"], "d-a", 0.0, ATTEMPT_S)
+    r.start()
+    [fail] = r.handle(SliceArrived("b", "s", 1), 0.1)
+    assert isinstance(fail, Fail) and "b runs this round as a reduce-scatter" in fail.reason
+    assert r.handle(PartArrived("b", "d-b"), 0.2) == []  # done
+
+
 def test_strangers_duplicates_and_stale_haves_change_nothing():
     r = Round("a", ["a", "b"], "d-a", 0.0, ATTEMPT_S)
     r.start()
