@@ -304,11 +304,11 @@ class Round:
                 return [SendHave(p, self.have[self.me][1], self.attempt) for p in unasked]
             return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
         if isinstance(event, SliceArrived | Reduced):
-            # a member that counts more members runs the round as a reduce-scatter (uses_scatter):
-            # the two cannot agree on this round; its parts never come, so this member fails now
-            # rather than at the deadline (the chaos soak found it, bench/README.md)
+            # a member of another kind of round (a node of an earlier version: uses_scatter): the two
+            # cannot agree on this round; its parts never come, so this member fails now rather
+            # than at the deadline
             who = getattr(event, "peer", "this member")
-            return self._fail(f"{who} runs this round as a reduce-scatter: it counts other members")
+            return self._fail(f"{who} runs this round as a reduce-scatter")
         raise TypeError(f"unknown event {event!r}")
 
     def _held_at(self, attempt: int) -> Mapping[str, str]:
@@ -379,16 +379,19 @@ class Round:
         return [self.outcome]
 
 
-SCATTER_FROM = 3
+SCATTER_FROM = 2
 """Members from which an uncompressed round is a reduce-scatter (bench/README.md, 100 MB: 0.25 s
 against an all-gather's 0.40 s at 3 islands, 0.37 against 0.78 at 4; at 2 islands both move one
-part each way and take the same time, and the all-gather is the simpler round)."""
+part each way and take the same time). Every uncompressed round is one, whatever its members:
+members whose records differ count different members, and a round whose kind depended on the
+count could not be agreed even once their retries had settled on the same members (the chaos
+soak found two islands failing every round that way, bench/README.md)."""
 
 
 def uses_scatter(members: int, codec: str) -> bool:
     """Whether a round of `members` islands with parts in `codec` runs as a `ScatterRound`: a
     compressed part would need its reduced slices sent in fp32 (or quantized a second time), so
-    compressed rounds stay all-gathers."""
+    compressed rounds stay all-gathers. The kind depends on the run's codec alone (SCATTER_FROM)."""
     return codec == "none" and members >= SCATTER_FROM
 
 

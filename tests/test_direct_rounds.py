@@ -46,8 +46,7 @@ async def _close(planes):
 
 @pytest.mark.parametrize(("islands", "compression"), [(2, "none"), (3, "int8"), (3, "none"), (4, "none")])
 def test_every_island_applies_the_same_token_weighted_mean(islands, compression):
-    """2 islands, or compressed parts: an all-gather; 3 or more in fp32: a reduce-scatter
-    (rounds.uses_scatter)."""
+    """Compressed parts: an all-gather; in fp32: a reduce-scatter (rounds.uses_scatter)."""
     async def main():
         planes, rounds = await _islands(islands, compression)
         try:
@@ -69,7 +68,7 @@ def test_every_island_applies_the_same_token_weighted_mean(islands, compression)
     # all-gather sends the part to each other island; a reduce-scatter sends n - 1 of its n slices
     # and its reduced slice (fp32) to the n - 1 others: 2 (n - 1) / n parts
     values = part_bytes(64 * 32 + 32, compression)
-    scatter = islands > 2 and compression == "none"
+    scatter = compression == "none"
     parts = 2 * (islands - 1) / islands if scatter else islands - 1
     meta = 6144 if scatter else 640  # each reduced slice carries every member's meta
     assert all(parts * values < r.bytes_sent < parts * values + meta for r in results), [r.bytes_sent for r in results]

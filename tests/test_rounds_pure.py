@@ -197,8 +197,8 @@ def test_alone_or_out_of_attempts_the_round_fails():
 
 
 def test_a_member_whose_peer_runs_the_round_as_a_reduce_scatter_fails_it_saying_why():
-    """Members that count different members (their records differ) may choose different kinds of
-    round (uses_scatter): an all-gather member that receives a reduced slice fails at once."""
+    """An all-gather member that receives a reduced slice (a peer that runs another kind of round)
+    fails at once, saying why, instead of waiting for the deadline."""
     r = Round("a", ["a", "b"], "d-a", 0.0, ATTEMPT_S)
     r.start()
     [fail] = r.handle(SliceArrived("b", "s", 1), 0.1)
@@ -341,9 +341,11 @@ def test_a_member_killed_after_its_have_reached_only_some_leaves_no_survivor_beh
     assert net.rounds["b"].outcome == net.rounds["a"].outcome
 
 
-def test_uncompressed_rounds_of_many_members_are_reduce_scatters():
-    assert uses_scatter(3, "none") and uses_scatter(9, "none")
-    assert not uses_scatter(2, "none") and not uses_scatter(8, "int8") and not uses_scatter(8, "fp16")
+def test_the_kind_of_a_round_depends_on_its_codec_alone():
+    """Members may count different members (their records differ), so the kind of round must not
+    depend on the count: uncompressed rounds are reduce-scatters, compressed ones all-gathers."""
+    assert uses_scatter(2, "none") and uses_scatter(3, "none") and uses_scatter(9, "none")
+    assert not uses_scatter(2, "int8") and not uses_scatter(8, "int8") and not uses_scatter(8, "fp16")
 
 
 @settings(max_examples=150, deadline=None)
