@@ -13,8 +13,9 @@ time, of these kinds:
   run dir 3-10 s later;
 - freeze: SIGSTOP of an island's process group for 20-60 s, then SIGCONT;
 - partition: the island's relays stop forwarding for 20-40 s (the others cannot reach it), then heal;
-- leave: SIGTERM of an island (it must exit 0); join: a new island joins mid-run (one of them
-  follows each leave, so that three islands train most of the time);
+- leave: SIGTERM of an island (it must exit 0); join: a new island joins mid-run, as the fault
+  after each leave (an operator replaces a site), so that three islands train throughout (four
+  islands, a satellite, their relays and the faults' nodes overload 2 cores: bench/README.md);
 - wrong_key: a node with another swarm key tries to join (it must be refused and exit);
 - poison: a node with the key sends huge pseudo-gradients for 30 s (tests/hostile.py), then is killed;
 - disk_full: the island's run dir (a tmpfs of its own, when this process may mount one) is
@@ -239,14 +240,14 @@ class Soak:
     def inject(self) -> bool:
         """Inject the next fault of the schedule, if it can be now: kinds are drawn evenly; one
         that cannot be now (an island is impaired already) waits for its turn, and one that makes
-        no sense in this swarm (a join to four islands, a leave from two) is drawn again. Whether
+        no sense in this swarm (a join to three islands, a leave from two) is drawn again. Whether
         a fault was injected."""
         live = [i for i in self.islands.values() if i.role == "island" and i.state != "left"]
         while self.pending is None:
             kind = self.rng.choice(KINDS)
-            if kind == "join" and (len(live) >= 4 or self.joined >= 6):
+            if kind == "join" and (len(live) >= 3 or self.joined >= 6):
                 continue
-            if kind == "leave" and len(live) < 3:
+            if kind == "leave" and (len(live) < 3 or self.joined >= 6):
                 continue
             if kind == "disk_full" and not any(i.tmpfs is not None for i in live):
                 continue
@@ -304,6 +305,7 @@ class Soak:
         isl.state = "left"
         f.end = f.t
         self._later(60, "left", isl.name)
+        self.pending = "join"  # the next fault: a new island takes the site's place
 
     def _join(self, up: list[Island]) -> None:
         name = "defghi"[self.joined]
@@ -574,17 +576,19 @@ class Soak:
                        "faults_per_minute": self.rate, "hang_s": HANG_S, "disk_faults": bool(self.mounted)},
             "wall_seconds": round(wall, 1),
             "fault_seconds": round(fault_seconds, 1),
-            "faults": len(self.faults),
-            "faults_by_kind": by_kind,
+            "minutes": self.minutes,
+            "seed": self.seed,
+            "faults": by_kind,
+            "faults_total": len(self.faults),
             "hangs": len(self.hangs),
             "hang_details": self.hangs,
             "unexpected_exits": self.unexpected,
             "supervisor_restarts": [{k: v for k, v in x.items() if k != "stderr"} | {"why": x["stderr"].strip().splitlines()[-1:]} for x in self.restarts],
-            "ghost_processes": ghosts,
+            "ghosts": ghosts,
             "corrupt_checkpoints": len(corrupt),
             "corrupt_details": corrupt,
             "islands_at_end": names,
-            "agreement_max_abs_diff": diff if len(names) > 1 else None,
+            "max_param_diff": diff if len(names) > 1 else None,
             "rounds_lost_per_fault": round(statistics.mean(x["rounds_lost"] for x in per_fault), 3) if per_fault else None,
             "rounds_lost_by_kind": {k: sum(x["rounds_lost"] for x in per_fault if x["kind"] == k) for k in by_kind if by_kind[k]},
             "recovery_s_median": round(statistics.median(recov), 2) if recov else None,
@@ -656,9 +660,11 @@ def main() -> None:
     def extra(p):
         p.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected (default 10)")
         p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
-        p.add_argument("--faults-per-minute", type=float, default=4.0, help="mean rate of faults (default 4)")
-        p.add_argument("--steps-per-minute", type=float, default=220.0,
-                       help="the swarm's pace on this machine under the soak, to size the run (default 220)")
+        p.add_argument("--faults-per-minute", type=float, default=6.0,
+                       help="mean rate of faults (default 6; each waits its turn while another impairs an island)")
+        p.add_argument("--steps-per-minute", type=float, default=180.0,
+                       help="the swarm's pace on this machine under the soak, to size the run so that faults "
+                            "run the whole --minutes (default 180; 120-170 measured here)")
         p.add_argument("--steps", type=int, help="the run's last step (default: minutes x steps-per-minute)")
 
     args, root = parse(__doc__, "bench-runs/chaos", extra)
@@ -669,10 +675,10 @@ def main() -> None:
         soak.timeline(Path(args.out).with_suffix(".png"))
     print(table(
         [
-            ["faults", f"{figures['faults']} ({', '.join(f'{k} {v}' for k, v in figures['faults_by_kind'].items() if v)})"],
-            ["hangs / unexpected exits / ghost processes", f"{figures['hangs']} / {len(figures['unexpected_exits'])} / {figures['ghost_processes']}"],
+            ["faults", f"{figures['faults_total']} ({', '.join(f'{k} {v}' for k, v in figures['faults'].items() if v)})"],
+            ["hangs / unexpected exits / ghost processes", f"{figures['hangs']} / {len(figures['unexpected_exits'])} / {figures['ghosts']}"],
             ["corrupt checkpoints at the end", str(figures["corrupt_checkpoints"])],
-            ["islands at the end: max |difference| of global.safetensors", f"{figures['islands_at_end']}: {figures['agreement_max_abs_diff']}"],
+            ["islands at the end: max |difference| of global.safetensors", f"{figures['islands_at_end']}: {figures['max_param_diff']}"],
             ["rounds lost per fault", str(figures["rounds_lost_per_fault"])],
             ["fault end to a round of every running island, s (median / p95)", f"{figures['recovery_s_median']} / {figures['recovery_s_p95']}"],
             ["goodput", str(figures["goodput"])],
