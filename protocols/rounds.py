@@ -304,9 +304,9 @@ class Round:
                 return [SendHave(p, self.have[self.me][1], self.attempt) for p in unasked]
             return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
         if isinstance(event, SliceArrived | Reduced):
-            # a member of another kind of round (a node of an earlier version: uses_scatter): the two
-            # cannot agree on this round; its parts never come, so this member fails now rather
-            # than at the deadline
+            # a member that runs the other kind of round: not between nodes of one data protocol
+            # version (uses_scatter depends on the codec alone), but should it happen, the two
+            # cannot agree on this round, so this member fails now rather than at the deadline
             who = getattr(event, "peer", "this member")
             return self._fail(f"{who} runs this round as a reduce-scatter")
         raise TypeError(f"unknown event {event!r}")
@@ -381,8 +381,8 @@ class Round:
 
 SCATTER_FROM = 2
 """Members from which an uncompressed round is a reduce-scatter (bench/README.md, 100 MB: 0.25 s
-against an all-gather's 0.40 s at 3 islands, 0.37 against 0.78 at 4; at 2 islands both move one
-part each way and take the same time). Every uncompressed round is one, whatever its members:
+against an all-gather's 0.40 s at 3 islands, 0.37 against 0.78 at 4; at 2 islands 0.171 s
+against 0.155, both moving one part each way). Every uncompressed round is one, whatever its members:
 members whose records differ count different members, and a round whose kind depended on the
 count could not be agreed even once their retries had settled on the same members (the chaos
 soak found two islands failing every round that way, bench/README.md)."""

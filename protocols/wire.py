@@ -16,8 +16,10 @@ import hashlib
 import struct
 
 MAGIC = b"ISLR"
-VERSION = 3
-"""2: the ABORT frame; 3: every part's metadata carries its member's reference norm (`ref`, validation.round_verdict)."""
+VERSION = 4
+"""2: the ABORT frame; 3: every part's metadata carries its member's reference norm (`ref`,
+validation.round_verdict); 4: a round of two members in fp32 is a reduce-scatter too
+(rounds.uses_scatter: the kind of a round depends on the codec alone)."""
 TAG_BYTES = 16
 HEADER = struct.Struct("!4sBBHHIIIQQ")
 HEADER_BYTES = HEADER.size
