@@ -303,12 +303,11 @@ class Round:
                 self.deadline = now + self.attempt_s
                 return [SendHave(p, self.have[self.me][1], self.attempt) for p in unasked]
             return self._retry(silent, f"no agreement with {', '.join(silent)} within {self.attempt_s:g}s", now)
-        if isinstance(event, SliceArrived | Reduced):
+        if isinstance(event, SliceArrived):
             # a member that runs the other kind of round: not between nodes of one data protocol
             # version (uses_scatter depends on the codec alone), but should it happen, the two
             # cannot agree on this round, so this member fails now rather than at the deadline
-            who = getattr(event, "peer", "this member")
-            return self._fail(f"{who} runs this round as a reduce-scatter")
+            return self._fail(f"{event.peer} runs this round as a reduce-scatter")
         raise TypeError(f"unknown event {event!r}")
 
     def _held_at(self, attempt: int) -> Mapping[str, str]:
