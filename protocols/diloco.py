@@ -14,7 +14,7 @@ import torch
 
 from . import PROTOCOL_VERSION
 from .consensus import fingerprint, fragment_fingerprint
-from .outer import contribution_weight, mix, nesterov_outer_step, pseudo_gradient
+from .outer import contribution_weight, mix, nesterov_outer_step, outer_hyper, pseudo_gradient
 from .parts import roundtrip
 from .schedule import Schedule, check_schedule, default_overlap
 from .validation import flatten, tensors_norm, unflatten
@@ -36,6 +36,12 @@ class DiLoCoConfig:
     alpha: float = dataclasses.field(default=0.5, metadata={"help": "mixing: local <- alpha*local + (1-alpha)*global (0 replaces)"})
     outer_lr: float = dataclasses.field(default=0.7, metadata={"help": "outer Nesterov SGD learning rate"})
     outer_momentum: float = dataclasses.field(default=0.9, metadata={"help": "outer Nesterov SGD momentum"})
+    outer_warmup: int = dataclasses.field(
+        default=0, metadata={
+            "help": "rounds over which each fragment's outer step goes from plain averaging (lr 1, momentum 0) "
+            "to --outer-lr and --outer-momentum (0: none)", "metavar": "ROUNDS",
+        },
+    )
     compression: Compression = dataclasses.field(default="none", metadata={"help": "pseudo-gradients on the wire"})
     error_feedback: float | None = dataclasses.field(
         default=None, metadata={
@@ -53,6 +59,8 @@ class DiLoCoConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_warmup < 0:
+            raise ValueError(f"outer_warmup must be >= 0, got {self.outer_warmup}")
         if self.compression not in get_args(Compression):
             raise ValueError(f"compression must be one of {', '.join(get_args(Compression))}, got {self.compression!r}")
         if self.error_feedback is not None and not 0.0 <= self.error_feedback <= 1.0:
@@ -86,7 +94,7 @@ class DiLoCoConfig:
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "seed": self.seed,
-        }
+        } | ({"outer_warmup": self.outer_warmup} if self.outer_warmup else {})
 
 
 @dataclasses.dataclass
@@ -230,9 +238,10 @@ class StreamingDiLoCo:
         `alone`: no other island applies this update (a solo, failed or rejected round), so it
         counts towards how far this island may have drifted from the others (`apart`)."""
         cfg, g, m = self.cfg, self.globals[fragment], self.momentum[fragment]
+        lr, mu = outer_hyper(self.counters[fragment].round + 1 if round_ is None else round_, cfg.outer_lr, cfg.outer_momentum, cfg.outer_warmup)
         moved, moved_momentum = [], []
         for n in self.layout[fragment]:
-            new_g, new_m = nesterov_outer_step(g[n], avg_delta[n], m[n], cfg.outer_lr, cfg.outer_momentum)
+            new_g, new_m = nesterov_outer_step(g[n], avg_delta[n], m[n], lr, mu)
             if alone:
                 moved.append(new_g - g[n])
                 moved_momentum.append(new_m - m[n])

@@ -74,6 +74,18 @@ def nesterov_outer_step(
     return new_global, new_momentum
 
 
+def outer_hyper(round_: int, lr: float, mu: float, warmup: int) -> tuple[float, float]:
+    """(learning rate, momentum) of the outer step of a fragment's round `round_` (the first is 1):
+    with a warm-up of `warmup` rounds they go linearly from plain averaging (1, 0) at round 1 to
+    (lr, mu) at round warmup + 1; without one, (lr, mu) throughout. Early in a run the replicas
+    drift apart within a window, and averaging them plainly moves the model as far as their mean
+    went; Nesterov's momentum, built on a few such steps, carries it past (bench/README.md)."""
+    if warmup <= 0 or round_ > warmup:
+        return lr, mu
+    t = max(0, round_ - 1) / warmup
+    return 1.0 + t * (lr - 1.0), t * mu
+
+
 def mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * local + (1 - alpha) * global, in local's dtype and device (alpha = 0 replaces)."""
     g = global_.to(local.device, torch.float32)

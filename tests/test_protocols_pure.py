@@ -7,6 +7,7 @@ from islands.protocols.fragments import layout_digest, split_fragments
 from islands.protocols.outer import (
     mix,
     nesterov_outer_step,
+    outer_hyper,
     pseudo_gradient,
     token_weight,
     weighted_average,
@@ -224,6 +225,27 @@ def test_apply_is_outer_step_then_mix():
         assert torch.allclose(diloco.globals[0][n], expect_g, atol=1e-6)
         assert torch.allclose(params[n].detach(), 0.5 * local_before[n] + 0.5 * expect_g, atol=1e-6)
     assert diloco.counters[0].round == 1
+
+
+def test_an_outer_warmup_goes_from_plain_averaging_to_nesterov():
+    assert [outer_hyper(r, 0.7, 0.9, 0) for r in (1, 5)] == [(0.7, 0.9), (0.7, 0.9)]
+    got = [outer_hyper(r, 0.7, 0.9, 2) for r in (1, 2, 3, 9)]
+    assert got == [(1.0, 0.0), pytest.approx((0.85, 0.45)), (0.7, 0.9), (0.7, 0.9)]
+    model = _toy_model()
+    params = dict(model.named_parameters())
+    names = list(params)
+    cfg = DiLoCoConfig(window=8, fragments=1, overlap=0, alpha=0.5, outer_lr=0.7, outer_momentum=0.9, outer_warmup=2)
+    assert cfg.manifest_fields()["outer_warmup"] == 2 and "outer_warmup" not in DiLoCoConfig().manifest_fields()
+    diloco = StreamingDiLoCo(cfg, [names], params)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.1)
+    mean_local = {n: p.detach().clone() for n, p in params.items()}
+    diloco.apply(0, 1, diloco.contribution(0, 1, 8, params).delta, params)  # round 1: the mean of the islands, as it is
+    for n in names:
+        assert torch.allclose(diloco.globals[0][n], mean_local[n], atol=1e-6)
+    with pytest.raises(ValueError, match="outer_warmup"):
+        DiLoCoConfig(outer_warmup=-1)
 
 
 def test_blockwise_int8_round_trip_never_clips():
