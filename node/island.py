@@ -115,7 +115,7 @@ class IslandCore:
     def begin(self, step: int, shard: int, batch_tokens: int) -> None:
         """From now on this island's record says it is training, from `step`, on data shard `shard`."""
         status = self.network.status
-        status.step, status.shard, status.state = step, shard, "training"
+        status.step, status.shard, status.state, status.since = step, shard, "training", step
         self.set_batch_tokens(batch_tokens)
 
     def set_batch_tokens(self, batch_tokens: int) -> None:
@@ -130,7 +130,8 @@ class IslandCore:
 
     def start(self, start_step: int) -> None:
         """Serve this island's state to joiners and begin syncing fragments on the schedule."""
-        self.network.status.step = start_step  # what a joiner's download says, before the first step
+        # what a joiner's download says, before the first step; and no round at or before it
+        self.network.status.step = self.network.status.since = start_step
         if self.role.serves_state:
             self.rounds.share_state(self._state_for_joiners, priority=float(start_step))
         # a round its role does not allow now (a satellite short of contact) is `skipped_no_contact`

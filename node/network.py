@@ -32,6 +32,7 @@ from islands.protocols.records import (
     final_fingerprints,
     finished,
     furthest,
+    left_round,
     live_records,
     other_islands,
     parse_address,
@@ -79,6 +80,8 @@ class Status:
     """Tokens of one inner step of the whole island (0: one rank's --batch-size x --seq-len)."""
     final: dict | None = None
     """At the end of a run: what IslandRecord.final says."""
+    since: int = -1
+    """The step this process began training after (IslandRecord.since)."""
 
 
 class Network:
@@ -198,6 +201,7 @@ class Network:
         self.rounds = DirectRounds(
             plane, self.dht.namespace, self.shapes, self.cfg.diloco.compression, self.timeouts,
             members=lambda fragment, step: round_peers(self.peer_id, self.live(), fragment, step, self.cfg.diloco.tau),
+            left=lambda fragment, step: {p for p, r in self.live().items() if left_round(r, fragment, step, self.cfg.diloco.tau)},
             others=lambda: self.expected_group() - 1, arrival=self.arrival_s,
             donors=lambda: state_donors(self.peer_id, self.live()),
             everyone=lambda: transport_addresses(self.peer_id, self.live()),
@@ -228,7 +232,7 @@ class Network:
             tokens_per_s=round(s.tokens_per_s, 3), step_seconds=round(s.step_seconds, 6),
             next_sync=list(s.next_sync), last_sync=list(s.last_sync), contact=net.contact,
             version=self.version, time=self._now(), state=s.state, maddrs=self.maddrs(), shard=s.shard,
-            contact_until=self._contact_until(), final=s.final, data=self.data_address,
+            contact_until=self._contact_until(), final=s.final, data=self.data_address, since=s.since,
         )
 
     def _contact_until(self) -> float | None:

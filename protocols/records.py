@@ -44,6 +44,9 @@ class IslandRecord:
     data: str | None = None
     """"HOST:PORT" of the island's round transport (node/net/transport.py), or
     P2P_ADDRESS for one reached over libp2p streams."""
+    since: int = -1
+    """The step this island's process began training after (resumed, or joined at): it starts no
+    round at or before it (-1: not said)."""
 
     def to_value(self) -> dict:
         value = dataclasses.asdict(self)
@@ -74,6 +77,7 @@ def parse_island_record(peer_id: str, value: Any) -> IslandRecord | None:
             contact_until=None if value.get("contact_until") is None else float(value["contact_until"]),
             final=_parse_final(value.get("final")),
             data=None if value.get("data") is None else str(value["data"]),
+            since=int(value.get("since", -1)),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -266,17 +270,38 @@ def round_peers(
     """The other members of this island's round of `fragment` that starts at `step`, with their
     round transport's address: the live, training islands (never a satellite) that publish one and
     have not yet applied that round (by their records: past `step + overlap`, or `step` already
-    their fragment's last round). One still training towards `step` is a member: its part comes
-    when it gets there."""
+    their fragment's last round) nor began training after its start (`since`: a restarted or
+    joining island never starts a round it began past). One still training towards `step` is a
+    member: its part comes when it gets there. A round in flight asks again (node/net/direct.py):
+    a member that left these since its start is not waited for."""
     out = {}
     for p, address in transport_addresses(me, live).items():
         ((now, last),) = peer_progress([live[p]], fragment)
-        if now <= step + overlap and last < step:
+        if now <= step + overlap and last < step and live[p].since < step:
             out[p] = address
     return out
 
 
+def left_round(record: IslandRecord, fragment: int, step: int, overlap: int) -> bool:
+    """A member's (fresh) record says it will not take part in the round of `fragment` that started
+    at `step`: it began training past the start (restarted or joined: `since`), went past the
+    round's overlap, applied a round of that start or later (alone), or left. A record that is
+    missing or stale says nothing: the round waits for its deadline then (a DHT that is slow to
+    answer must not drop members whose parts still come)."""
+    ((now, last),) = peer_progress([record], fragment)
+    return record.since >= step or now > step + overlap or last >= step or record.state == "left"
+
+
+def agreed_fragments(record: IslandRecord) -> int:
+    """How many fragments this island's last round committed with others (`ok`): their values are
+    the swarm's, not its own (an island whose last round it applied alone — a poisoner whose
+    rounds the others rejected, an island cut off — holds values nobody else has)."""
+    return sum(1 for s in record.last_sync if isinstance(s, dict) and s.get("outcome") == "ok")
+
+
 def state_donors(me: str, live: Mapping[str, IslandRecord]) -> list[str]:
     """The islands to download a fragment's state from, in the order to try: the live, training
-    ones, the furthest first (ties: by peer id)."""
-    return [p for _, p in sorted((-r.step, p) for p, r in other_islands(me, live).items())]
+    ones, those whose last rounds agreed with the swarm's first (`agreed_fragments`), then the
+    furthest (ties: by peer id). The chaos soak found a satellite that took the state of a peer
+    the islands had banned for poisoning (the furthest by step) and trained from it for minutes."""
+    return [p for *_, p in sorted((-agreed_fragments(r), -r.step, p) for p, r in other_islands(me, live).items())]

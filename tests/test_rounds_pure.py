@@ -24,7 +24,7 @@ from islands.protocols.parts import (
     slice_bounds,
     take,
 )
-from islands.protocols.records import IslandRecord, data_address, parse_address, round_peers
+from islands.protocols.records import IslandRecord, data_address, left_round, parse_address, parse_island_record, round_peers, state_donors
 from islands.protocols.rounds import (
     Abort,
     Aborted,
@@ -371,10 +371,11 @@ def test_members_that_commit_always_commit_the_same_parts(seed, members, kill, a
         assert commits and all(isinstance(o, Commit) for o in outcomes.values())
 
 
-def _record(peer, step, last_step=-1, data="127.0.0.1:9000", role="island", state="training"):
+def _record(peer, step, last_step=-1, data="127.0.0.1:9000", role="island", state="training", since=-1, outcomes=(None, None)):
     return IslandRecord(
         peer_id=peer, role=role, step=step, batch_tokens=64, tokens_per_s=1.0, step_seconds=0.1, next_sync=[0, 0],
-        last_sync=[{"step": last_step}, {}], contact=None, version="x", time=0.0, state=state, maddrs=[], data=data,
+        last_sync=[{"step": last_step, "outcome": outcomes[0]}, {"outcome": outcomes[1]}], contact=None, version="x", time=0.0,
+        state=state, maddrs=[], data=data, since=since,
     )
 
 
@@ -393,6 +394,40 @@ def test_round_peers_are_the_live_islands_that_have_not_applied_the_round_yet():
     }
     assert round_peers("me", live, 0, 40, 5) == {"behind": ("10.0.0.2", 7000), "inside": ("::1", 7001), "behind nat": ("p2p", 0)}
     assert round_peers("me", live, 1, 40, 5)["applied"] == ("127.0.0.1", 9000)  # that was fragment 0's round
+
+
+def test_an_island_that_began_training_past_a_rounds_start_is_not_its_member_nor_waited_for():
+    """The chaos soak's convoy: an island restarted (or joined) at a step past a round's start never
+    runs that round, yet the others waited the attempts' deadlines for it, round after round."""
+    live = {
+        "me": _record("me", 40),
+        "resumed before": _record("resumed before", 30, since=30),  # trains towards step 40: a member
+        "joined after": _record("joined after", 42, since=42),  # took the state at step 42
+        "joined at": _record("joined at", 40, since=40),
+    }
+    assert set(round_peers("me", live, 0, 40, 5)) == {"resumed before"}
+    assert [p for p, r in live.items() if left_round(r, 0, 40, 5)] == ["joined after", "joined at"]
+    # what else a fresh record says: past the overlap, the round applied (alone), gone for good
+    assert left_round(_record("past", 46), 0, 40, 5) and left_round(_record("applied", 41, last_step=40), 0, 40, 5)
+    assert left_round(_record("left", 41, state="left"), 0, 40, 5)
+    assert not left_round(_record("inside", 44), 0, 40, 5) and not left_round(_record("starting", 0, state="starting"), 0, 40, 5)
+    # an older node's record says nothing of it: never taken as having left
+    old = _record("old", 40).to_value()
+    del old["since"]
+    assert parse_island_record("old", old).since == -1 and not left_round(parse_island_record("old", old), 0, 40, 5)
+
+
+def test_state_comes_first_from_islands_whose_last_rounds_agreed_with_the_swarm():
+    """A poisoner whose rounds the others rejected is often the furthest island (it never waits): a
+    satellite of the chaos soak took its state and trained from it for minutes."""
+    live = {
+        "me": _record("me", 40),
+        "poisoner": _record("poisoner", 60, outcomes=("rejected", "solo")),
+        "honest": _record("honest", 41, outcomes=("ok", "ok")),
+        "half": _record("half", 45, outcomes=("ok", "failed")),
+        "restarted": _record("restarted", 50),
+    }
+    assert state_donors("me", live) == ["honest", "half", "poisoner", "restarted"]
 
 
 def test_the_announced_transport_address_prefers_what_others_can_dial():

@@ -130,6 +130,39 @@ def test_a_member_that_dies_in_a_reduce_scatter_costs_the_others_one_attempt_cut
 
 
 @pytest.mark.parametrize("kind", ["all-gather", "reduce-scatter"])
+def test_a_member_whose_record_says_it_left_the_round_is_not_waited_for(kind):
+    """The chaos soak's convoy: a member that restarted past the round's start never comes, and its
+    connections may stay open (a new process of the same peer). Once its record says so
+    (records.left_round: asked every second while the round waits), the others go on without it,
+    long before the attempt's deadline."""
+    async def main():
+        planes, members = await _planes(3)
+        late = planes[2].me.peer_id
+        said = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, said.set)
+
+        def left():
+            return {late} if said.is_set() else set()
+
+        def run(k, p):
+            if kind == "all-gather":
+                return p.run_round(0, 4, members, encode_part(_values(k), k + 1.0), attempt_s=30, left=left)
+            return p.run_round(0, 4, members, None, attempt_s=30, cut=_cut(k), left=left)
+
+        started = asyncio.get_running_loop().time()
+        try:
+            got = await asyncio.gather(*(run(k, p) for k, p in enumerate(planes[:2])))  # the third never runs it
+            return got, asyncio.get_running_loop().time() - started, late
+        finally:
+            await asyncio.gather(*(p.close() for p in planes))
+
+    got, seconds, late = asyncio.run(main())
+    (a, _), (b, _) = got
+    assert isinstance(a, Commit) and a == b and late not in a.members and len(a.members) == 2, (a, b)
+    assert seconds < 10, seconds  # the attempt's deadline is 30 s
+
+
+@pytest.mark.parametrize("kind", ["all-gather", "reduce-scatter"])
 def test_a_member_that_never_saw_the_dead_one_go_follows_the_one_that_did_at_once(kind):
     """The CI failure of 2026-12-05: the dead member never dialled b, so only a saw it go. a's abort
     tells b, which goes on to a's attempt at once instead of waiting out its own deadline."""

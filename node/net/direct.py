@@ -72,14 +72,16 @@ class DirectRounds(RoundsBase):
         others: Callable[[], int], arrival: Callable[[int], float], donors: Callable[[], list[str]],
         everyone: Callable[[], dict[str, tuple[str, int]]], follower: bool = False, swarm_key: bytes | None = None,
         on_refused: Callable[[str], None] | None = None, deposit_targets: Callable[[], list[str]] | None = None,
-        refresh_peers=None,
+        refresh_peers=None, left: Callable[[int, int], set[str]] | None = None,
     ):
         """`plane`: the transport (None for a satellite: it deposits instead);
         `members(fragment, step)`: the other members of the round of `fragment` starting at `step`,
         with their addresses (records.round_peers); `others()`: how many other live islands there
         are; `arrival(step)`: seconds until the last island still short of `step` gets there;
         `donors()`: the islands to download state from, in the order to try (records.state_donors);
-        `everyone()`: the other live islands' addresses (a consensus round at the end of the run)."""
+        `everyone()`: the other live islands' addresses (a consensus round at the end of the run);
+        `left(fragment, step)`: the islands whose records now say they will not take part in that
+        round (records.left_round): a round in flight stops waiting for them."""
         if plane is None and not follower:
             raise ValueError("an island's rounds need a transport")
         super().__init__(
@@ -92,6 +94,7 @@ class DirectRounds(RoundsBase):
         self.arrival = arrival
         self.donors = donors
         self.everyone = everyone
+        self.left = left or (lambda fragment, step: set())
         self.layout_shapes = [[tuple(s) for _, s in frag] for frag in shapes]
         self.states: StateBox | None = None
         self._provider = None
@@ -158,7 +161,7 @@ class DirectRounds(RoundsBase):
 
     async def _round(
         self, channel: int, round_: int, peers: dict[str, tuple[str, int]], values: torch.Tensor, weight: float, codec: str,
-        meta: dict, attempt_s: float,
+        meta: dict, attempt_s: float, left: Callable[[], set[str]] | None = None,
     ) -> tuple[sm.Commit | sm.Fail, list[torch.Tensor] | None, float, dict[str, dict], int, int]:
         """One round of the protocol: (outcome, the reduced values as segments to read end to end,
         their total weight, each member's meta, bytes sent, bytes received on the wire); PartError
@@ -167,12 +170,12 @@ class DirectRounds(RoundsBase):
         if sm.uses_scatter(len(members), codec):  # a reduce-scatter: each member reduces its slice
             outcome, parts = await self.plane.run_round(
                 channel, round_, members, None, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS,
-                cut=lambda order: encode_slices(values, weight, codec, meta, order),
+                cut=lambda order: encode_slices(values, weight, codec, meta, order), left=left,
             )
             combine = assemble
         else:
             part = await asyncio.to_thread(encode_part, values, weight, codec, meta)
-            outcome, parts = await self.plane.run_round(channel, round_, members, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS)
+            outcome, parts = await self.plane.run_round(channel, round_, members, part, attempt_s=attempt_s, max_attempts=MAX_ATTEMPTS, left=left)
             combine = reduce_parts
         sent, recv = self.plane.round_bytes(channel, round_)
         if not isinstance(outcome, sm.Commit):
@@ -215,7 +218,7 @@ class DirectRounds(RoundsBase):
         try:
             outcome, mean, total, metas, sent, recv = await self._round(
                 c.fragment, c.round, peers, self._flat(c.fragment, c.delta), max(c.weight, STALE_WEIGHT), self.compression,
-                meta, self.attempt_s(c.step, wait_s),
+                meta, self.attempt_s(c.step, wait_s), left=lambda: self.left(c.fragment, c.step),
             )
         except PartError as e:  # every member holds the same parts: every member rejects alike
             logger.warning("fragment %d round %d: %s; applying own update", c.fragment, c.round, e)

@@ -57,6 +57,8 @@ POOL = 4
 CHUNK_BYTES = 4 << 20
 HANDSHAKE_S = 10.0
 CLOSE_S = 5.0
+LEFT_CHECK_S = 1.0
+"""How often a round that waits asks which members' records say they left it (run_round's `left`)."""
 """How long closing waits for its cancelled readers to end."""
 PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
 
@@ -510,6 +512,7 @@ class DataPlane:
     async def run_round(
         self, fragment: int, round_: int, members: Mapping[str, tuple[str, int]], part: bytes | bytearray | memoryview | None,
         attempt_s: float, max_attempts: int = 3, cut: Callable[[tuple[str, ...]], dict[str, memoryview]] | None = None,
+        left: Callable[[], set[str]] | None = None,
     ) -> tuple[sm.Commit | sm.Fail, dict[str, memoryview]]:
         """Take part in round (fragment, round_) with these members (peer -> address; this island
         included) and this island's part: (Commit, every committed member's part) or (Fail, {}).
@@ -517,7 +520,11 @@ class DataPlane:
         With `cut` instead of a part, the round is a reduce-scatter (rounds.ScatterRound): `cut(members)`
         gives this island's part cut into one slice per member (parts.encode_slices; run in a thread,
         again for each attempt), and a Commit comes with every member's reduced slice
-        (parts.reduce_slice; parts.assemble puts them together)."""
+        (parts.reduce_slice; parts.assemble puts them together).
+
+        `left()`, asked every LEFT_CHECK_S while the round waits: members that will not take part
+        any more (their records say so: records.left_round); each is gone for the round as if its
+        connection had closed, instead of being waited for until the attempt's deadline."""
         if (part is None) == (cut is None):
             raise ValueError("a round takes a part or a cut, not both")
         inbox = self._inbox(fragment, round_)
@@ -580,13 +587,27 @@ class DataPlane:
                 sends[task] = a.to
                 task.add_done_callback(lambda t: sends.pop(t, None))
 
+        told: set[str] = set()
+        next_check = clock() + LEFT_CHECK_S
+
+        def look() -> None:
+            for peer in sorted(set(left()) & set(r.members) - told - {me}):
+                told.add(peer)
+                logger.info("round %d of fragment %d: %s will not take part (its record): not waited for", round_, fragment, peer)
+                inbox.events.put_nowait(sm.PeerGone(peer))
+
         try:
             act(r.start())
             while not r.done:
-                timeout = max(0.0, r.deadline - clock())
+                if left is not None and clock() >= next_check:
+                    next_check = clock() + LEFT_CHECK_S
+                    look()
+                wake = r.deadline if left is None else min(r.deadline, next_check)
                 try:
-                    event = await asyncio.wait_for(inbox.events.get(), timeout)
+                    event = await asyncio.wait_for(inbox.events.get(), max(0.0, wake - clock()))
                 except TimeoutError:
+                    if clock() < r.deadline:
+                        continue
                     event = sm.Tick()
                 act(r.handle(event, clock()))
             if isinstance(r.outcome, sm.Commit):
