@@ -668,6 +668,8 @@ def main() -> None:
         p.add_argument("--steps", type=int, help="the run's last step (default: minutes x steps-per-minute)")
 
     args, root = parse(__doc__, "bench-runs/chaos", extra)
+    # stopped by SIGTERM (a `timeout`, a CI job's end): unwind, so that every node it started is stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     steps = args.steps or int(args.minutes * args.steps_per_minute)
     soak = Soak(root, args.seed, args.minutes, steps, args.faults_per_minute)
     figures = soak.run(args.faults_per_minute)
