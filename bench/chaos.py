@@ -485,10 +485,13 @@ class Soak:
             for path in self.mounted:
                 # what the tmpfs held (logs, checkpoints) stays on disk for a look afterwards
                 kept = path.with_name(path.name + ".kept")
-                shutil.copytree(path, kept, symlinks=True, ignore=shutil.ignore_patterns("filler"))
-                _umount(path)
-                path.rmdir()
-                kept.rename(path)
+                try:
+                    shutil.copytree(path, kept, symlinks=True, ignore=shutil.ignore_patterns("filler"))
+                    _umount(path)
+                    path.rmdir()
+                    kept.rename(path)
+                except OSError as e:  # the figures count more than the tidy-up (a mount left from a run killed)
+                    print(f"could not unmount {path} ({e}); its copy is in {kept}", file=sys.stderr)
 
     # --- the figures -----------------------------------------------------------------------------
 

@@ -29,6 +29,13 @@ from .sync import FragmentSync, Rounds, download_state, state_bytes
 logger = logging.getLogger(__name__)
 
 
+class _Log:
+    """Progress notes of a catch-up in the middle of a run, to the log."""
+
+    def note(self, text: str) -> None:
+        logger.info("%s", text)
+
+
 class IslandCore:
     def __init__(
         self, cfg: Config, layout: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], network: Network,
@@ -59,18 +66,22 @@ class IslandCore:
 
     # --- joining -------------------------------------------------------------------------
 
-    async def catch_up(self, step: int, progress: Progress) -> int | None:
+    async def catch_up(self, step: int, progress: Progress, without_state: bool = True) -> int | None:
         """If the swarm is ahead of this island (it joined late, or restarted), take its state and its step.
 
         Downloads every fragment's agreed values, outer momentum and round number from the most
         advanced island that answers, starts the local values from them, and continues at that
-        island's step; None if there was nothing to catch up."""
+        island's step; None if there was nothing to catch up. If no state came, it takes the swarm's
+        step anyway (`without_state`), or stays where it is."""
         ahead = self.network.ahead()
         if ahead is None or ahead[1] <= step + self.schedule.spacing:
             return None
         progress.note(f"the swarm is at step {ahead[1]}, this island at {step}: downloading its state")
         started = time.monotonic()
         got = await self._download_all()
+        if len(got) < self.schedule.fragments and not without_state:
+            progress.note("could not download the swarm's state; going on from this island's own")
+            return None
         if len(got) < self.schedule.fragments:
             # no usable state: take the swarm's step anyway; this island's first round of each
             # fragment is then stale (it counts ~0) and it rebases on an island's fragment after it
@@ -99,6 +110,24 @@ class IslandCore:
         self.events.emit("join", step=new_step, state_from=sources[0], sources=sources, seconds=round(seconds, 3), bytes=size)
         progress.note(f"took the swarm's state at step {new_step} from {', '.join(sorted({s[-8:] for s in sources}))}: {size / 1e6:.1f} MB in {seconds:.1f}s")
         return new_step
+
+    async def rejoin(self, step: int) -> int:
+        """The step to train from: this one, or, when this island is more than a window behind most
+        of the other islands (it was frozen, or starved of CPU, for a while), the swarm's, with its
+        state, as a restarted island takes them (`catch_up`). Otherwise every round it started would
+        find the others past it, and it would train alone through them, its tokens in no round (the
+        chaos soak: an island back from SIGSTOP spent a minute so). Between rounds only."""
+        typical = self.network.typical_step()
+        if typical is None or typical <= step + self.schedule.window:
+            return step
+        logger.info("step %d: most islands are at step %d or beyond: taking the swarm's state", step, typical)
+        new = await self.catch_up(step, _Log(), without_state=False)
+        if new is None:
+            return step
+        for p in range(self.schedule.fragments):
+            self.diloco.on_local_change(p)  # a multi-rank island's ranks take the new values
+        self.network.status.step = self.network.status.since = new  # no round at or before it
+        return new
 
     async def _download_all(self) -> list[tuple[int, dict, dict, dict]]:
         """(fragment, meta, agreed values, momentum) of each fragment in order, up to the first

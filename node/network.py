@@ -43,6 +43,7 @@ from islands.protocols.records import (
     state_donors,
     swarm_step,
     transport_addresses,
+    typical_step,
 )
 
 from .config import Config
@@ -409,6 +410,10 @@ class Network:
         """Whether another island has trained past step 0 (by its record)."""
         ahead = self.ahead()
         return ahead is not None and ahead[1] > 0
+
+    def typical_step(self) -> int | None:
+        """Where most other training islands are (records.typical_step), if there are any."""
+        return typical_step(self._other_islands().values())
 
     def ahead(self) -> tuple[str, int] | None:
         """(peer, step) of the furthest training island (not satellite) other than this one, if any."""

@@ -28,7 +28,10 @@ class IslandRole:
         return True
 
     async def before_step(self, core: IslandCore, step: int) -> int:
-        """The step to train from (an island never moves its step counter)."""
+        """The step to train from: an island moves its step counter only when it finds itself a
+        window behind most of the others, between rounds (IslandCore.rejoin)."""
+        if core.sync.quiet:
+            return await core.rejoin(step)
         return step
 
 

@@ -199,6 +199,13 @@ def swarm_step(islands: Iterable[IslandRecord], now: float) -> int | None:
     return best
 
 
+def typical_step(islands: Iterable[IslandRecord]) -> int | None:
+    """The lower median of the islands' steps (None without islands): where most of them are, not
+    where one runs ahead (a poisoner never waits for a round, so it is often the furthest)."""
+    steps = sorted(r.step for r in islands)
+    return steps[(len(steps) - 1) // 2] if steps else None
+
+
 def furthest(islands: Mapping[str, IslandRecord]) -> tuple[str, int] | None:
     """(peer, step) of the island furthest ahead by its record (ties: the larger peer id)."""
     if not islands:

@@ -189,6 +189,35 @@ async def test_a_restarted_island_behind_the_swarm_catches_up_and_ends_with_its_
     assert _same(a, b)
 
 
+async def test_an_island_back_from_a_freeze_takes_the_swarms_state_and_step_instead_of_training_alone():
+    """The chaos soak: B, frozen (SIGSTOP) at step 30 while A trained on to 70, came back and
+    trained alone through rounds A had applied, its tokens in none of them. Now, more than a window
+    behind, B takes A's state and step between two rounds, and averages with A from then on."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=120)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(30), b.run(30))
+    board.partition({"a"}, {"b"})  # B is frozen: A cannot reach it, and B does nothing
+    await a.run(70)
+    board.heal()
+    await b.run(35)  # back: it applies the round it was in, then takes A's state and step
+    back = b.events.of("join")[-1]
+    assert b.step == 70 and back["step"] == 70 and back["state_from"] == "a"
+    assert [t for t, _, _ in b.syncs() if t > 30] == []  # no round of the steps it missed
+    await asyncio.gather(a.run(120), b.run(120))
+    await asyncio.gather(a.leave(), b.leave())
+    after = [e for e in b.events.of("sync") if e["step"] > 30]
+    assert [(e["step"], e["fragment"]) for e in after] == [s for s in _starts(120) if s[0] > 70]
+    assert all(e["group_size"] == 2 for e in after)  # every round with A from then on
+    # its first round of fragment 0 after the jump is stale (A's was in flight at step 70): it
+    # rebases, as a joiner does; the toy's islands pull towards +1 and -1, so the delta B brings
+    # next, from those values, is 4x A's own lately and that round is rejected by both; the next
+    # heals it, and the two end with one model
+    assert [e["policy"] for e in after if e["fragment"] == 0][:3] == ["rebased", "own_update", "averaged"]
+    assert b.events.of("agree")[0]["fragments"] == ["ok", "ok"]
+    assert _same(a, b)
+
+
 async def test_a_poisoned_round_is_rejected_by_both_and_the_next_round_of_its_fragment_heals_them():
     """B's contribution to fragment 0's round 2 (step 20) arrives 1000 times too large: both
     islands' checks of the result (protocols/validation.py) reject it and apply their own update;

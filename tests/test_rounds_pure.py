@@ -24,7 +24,16 @@ from islands.protocols.parts import (
     slice_bounds,
     take,
 )
-from islands.protocols.records import IslandRecord, data_address, left_round, parse_address, parse_island_record, round_peers, state_donors
+from islands.protocols.records import (
+    IslandRecord,
+    data_address,
+    left_round,
+    parse_address,
+    parse_island_record,
+    round_peers,
+    state_donors,
+    typical_step,
+)
 from islands.protocols.rounds import (
     Abort,
     Aborted,
@@ -428,6 +437,9 @@ def test_state_comes_first_from_islands_whose_last_rounds_agreed_with_the_swarm(
         "restarted": _record("restarted", 50),
     }
     assert state_donors("me", live) == ["honest", "half", "poisoner", "restarted"]
+    # where most islands are, not the furthest: the poisoner never waits for a round
+    assert typical_step(r for p, r in live.items() if p in ("honest", "poisoner")) == 41
+    assert typical_step(r for p, r in live.items() if p != "me") == 45 and typical_step([]) is None
 
 
 def test_the_announced_transport_address_prefers_what_others_can_dial():
