@@ -663,8 +663,9 @@ def main() -> None:
     def extra(p):
         p.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected (default 10)")
         p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
-        p.add_argument("--faults-per-minute", type=float, default=6.0,
-                       help="mean rate of faults (default 6; each waits its turn while another impairs an island)")
+        p.add_argument("--faults-per-minute", type=float, default=7.0,
+                       help="mean rate of faults (default 7: 30 or more in 10 minutes; each waits its turn while "
+                            "another impairs an island)")
         p.add_argument("--steps-per-minute", type=float, default=180.0,
                        help="the swarm's pace on this machine under the soak, to size the run so that faults "
                             "run the whole --minutes (default 180; 120-170 measured here)")

@@ -57,9 +57,9 @@ POOL = 4
 CHUNK_BYTES = 4 << 20
 HANDSHAKE_S = 10.0
 CLOSE_S = 5.0
+"""How long closing waits for its cancelled readers to end."""
 LEFT_CHECK_S = 1.0
 """How often a round that waits asks which members' records say they left it (run_round's `left`)."""
-"""How long closing waits for its cancelled readers to end."""
 PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
 
 
