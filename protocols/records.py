@@ -281,12 +281,7 @@ def round_peers(
     joining island never starts a round it began past). One still training towards `step` is a
     member: its part comes when it gets there. A round in flight asks again (node/net/direct.py):
     a member that left these since its start is not waited for."""
-    out = {}
-    for p, address in transport_addresses(me, live).items():
-        ((now, last),) = peer_progress([live[p]], fragment)
-        if now <= step + overlap and last < step and live[p].since < step:
-            out[p] = address
-    return out
+    return {p: address for p, address in transport_addresses(me, live).items() if not left_round(live[p], fragment, step, overlap)}
 
 
 def left_round(record: IslandRecord, fragment: int, step: int, overlap: int) -> bool:
