@@ -16,6 +16,10 @@ step, fingerprint of the agreed values, staleness). The values, by codec:
   float32 scale a block of 64.
 Every member of a committed round holds the same parts (rounds.py) and reduces them in the same
 order in float32 (`reduce_parts`), so their results are bit-identical.
+
+A part in "none" may also be held as its two pieces, (header and meta, values), where the values are
+a view of the sender's own float32 tensor rather than a copy (`encode_slices`); `part_size` and
+`part_span` read either form, as the transport does when it sends one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import threading
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -126,19 +130,55 @@ def _pad4(n: int) -> int:
     return n + (-n) % 4
 
 
-def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: Mapping | None = None) -> memoryview:
-    """The part of a member with these flat `values` (any float dtype, any device) and `weight`,
-    written once into a new buffer (`new_buffer`)."""
+Part = memoryview | tuple[memoryview, memoryview]
+"""A part in one buffer, or as (its header and meta, its values): see the module's docstring."""
+
+
+def part_size(part: Part) -> int:
+    """Bytes of a part on the wire, in either form."""
+    return len(part[0]) + len(part[1]) if isinstance(part, tuple) else len(part)
+
+
+def part_span(part: Part, offset: int, length: int) -> memoryview | bytes:
+    """Bytes [offset, offset + length) of a part: a view, or a copy where they straddle its two
+    pieces (one chunk a part, at most)."""
+    if not isinstance(part, tuple):
+        return part[offset : offset + length]
+    head, body = part
+    if offset >= len(head):
+        return body[offset - len(head) : offset - len(head) + length]
+    if offset + length <= len(head):
+        return head[offset : offset + length]
+    return bytes(head[offset:]) + bytes(body[: offset + length - len(head)])
+
+
+def _head(meta: Mapping, reserve: int = 0) -> bytes:
+    """A part's header and meta: the meta's JSON padded with spaces to at least `reserve` bytes and
+    so that the values start at a multiple of 8."""
+    text = json.dumps(meta).encode()
+    text += b" " * max(0, reserve - len(text))
+    text += b" " * ((-(len(text) + _LEN.size)) % 8)
+    if len(text) > MAX_META_BYTES:
+        raise ValueError(f"a part's meta of {len(text)} bytes is longer than {MAX_META_BYTES}")
+    return _LEN.pack(len(text)) + text
+
+
+def _check(weight: float, codec: str) -> None:
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"a part's weight must be finite and >= 0, got {weight}")
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; one of {', '.join(CODECS)}")
+
+
+def encode_part(values: torch.Tensor, weight: float, codec: str = "none", meta: Mapping | None = None) -> memoryview:
+    """The part of a member with these flat `values` (any float dtype, any device) and `weight`,
+    written once into a new buffer (`new_buffer`)."""
+    _check(weight, codec)
     flat = values.detach().reshape(-1)
-    head = json.dumps({**(meta or {}), "weight": float(weight), "codec": codec, "numel": flat.numel()}).encode()
-    head += b" " * ((-(len(head) + _LEN.size)) % 8)
-    start = _LEN.size + len(head)
+    head = _head({**(meta or {}), "weight": float(weight), "codec": codec, "numel": flat.numel()})
+    start = len(head)
     out = new_buffer(start + part_bytes(flat.numel(), codec))
-    out[:start] = _LEN.pack(len(head)) + head
+    out[:start] = head
     body, n = out[start:], flat.numel()
     if codec == "int8":
         codes, scales = quantize_blockwise(flat.to("cpu", torch.float32))
@@ -187,8 +227,14 @@ def read_meta(head: bytes | bytearray | memoryview) -> tuple[dict, int]:
     return meta, HEAD_BYTES + n + part_bytes(numel, codec)
 
 
-def _decode_meta(data: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
-    """(meta, the values' bytes) of a part; PartError if it is malformed."""
+def _decode_meta(data: bytes | bytearray | Part) -> tuple[dict, memoryview]:
+    """(meta, the values' bytes) of a part, in either form; PartError if it is malformed."""
+    if isinstance(data, tuple):
+        head, body = (memoryview(x).cast("B") for x in data)
+        meta, size = read_meta(head)
+        if len(head) != HEAD_BYTES + meta_length(head) or len(head) + len(body) != size:
+            raise PartError(f"a part of {meta['numel']} values in {meta['codec']} is {size} bytes, got {len(head)} + {len(body)}")
+        return meta, body
     view = memoryview(data).cast("B")
     meta, size = read_meta(view)
     if len(view) != size:
@@ -242,8 +288,9 @@ def reduce_parts(order: Sequence[str], parts: Mapping[str, bytes | bytearray | m
     return out, total, metas
 
 
-def _reduce(order: Sequence[str], parts: Mapping[str, bytes | bytearray | memoryview]) -> tuple[torch.Tensor, float, dict[str, dict], dict[str, float]]:
-    """reduce_parts' mean, total weight and metas, and each part's sum of squares."""
+def _reduce(order: Sequence[str], parts: Mapping[str, bytes | bytearray | Part], into: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, float, dict[str, dict], dict[str, float]]:
+    """reduce_parts' mean, total weight and metas, and each part's sum of squares. The mean is
+    written into `into(numel)` (float32 values) where given, else into a new buffer."""
     decoded = [(peer, *_decode_meta(parts[peer])) for peer in order]
     if not decoded:
         raise PartError("no parts, or no weight, to reduce")
@@ -256,7 +303,7 @@ def _reduce(order: Sequence[str], parts: Mapping[str, bytes | bytearray | memory
     if total <= 0:
         raise PartError("no parts, or no weight, to reduce")
     shares = [w / total for w in weights]
-    out = _frombuffer(new_buffer(4 * numel), torch.float32)
+    out = into(numel) if into is not None else _frombuffer(new_buffer(4 * numel), torch.float32)
     squares = [0.0] * len(decoded)
     for start in range(0, numel, REDUCE_BLOCK):
         stop = min(numel, start + REDUCE_BLOCK)
@@ -288,37 +335,63 @@ def slice_bounds(numel: int, members: int) -> list[tuple[int, int]]:
 
 def encode_slices(
     values: torch.Tensor, weight: float, codec: str, meta: Mapping | None, members: Sequence[str],
-) -> dict[str, memoryview]:
+) -> dict[str, Part]:
     """A member's part cut for a reduce-scatter among `members` (in reduction order): member i's slice
     is values[slice_bounds(...)[i]], encoded as a part of its own whose meta says which slice of
-    which members it is (`reduce_slice` checks)."""
+    which members it is (`reduce_slice` checks). In "none", each slice is (header and meta, a view of
+    the values' float32 bytes), not a copy: the values must not change while the round runs."""
+    _check(weight, codec)
     flat = values.detach().reshape(-1)
     layout = {"members": list(members), "numel_all": flat.numel()}
+    bounds = slice_bounds(flat.numel(), len(members))
+    if codec != "none":
+        return {
+            m: encode_part(flat[a:b], weight, codec, {**(meta or {}), **layout, "slice": i})
+            for i, (m, (a, b)) in enumerate(zip(members, bounds, strict=True))
+        }
+    data = memoryview(flat.to("cpu", torch.float32).contiguous().numpy()).cast("B")
     return {
-        m: encode_part(flat[a:b], weight, codec, {**(meta or {}), **layout, "slice": i})
-        for i, (m, (a, b)) in enumerate(zip(members, slice_bounds(flat.numel(), len(members)), strict=True))
+        m: (memoryview(_head({**(meta or {}), **layout, "slice": i, "weight": float(weight), "codec": codec, "numel": b - a})), data[4 * a : 4 * b])
+        for i, (m, (a, b)) in enumerate(zip(members, bounds, strict=True))
     }
 
 
-def reduce_slice(order: Sequence[str], me: str, pieces: Mapping[str, bytes | bytearray | memoryview]) -> memoryview:
+_FLOAT_JSON = 24
+"""The longest JSON of a float (`repr`: -1.2345678901234567e-308)."""
+
+
+def reduce_slice(order: Sequence[str], me: str, pieces: Mapping[str, bytes | bytearray | Part]) -> memoryview:
     """`me`'s reduced slice: the weighted mean of the members' slices of `me`'s share (reduce_parts),
     as a float32 part whose meta carries the total weight, every member's meta and the sum of
-    squares of the slice each sent (`assemble` makes the norms from them). A piece that does not
-    decode or was cut for other members gives a slice that says so: every member then rejects the
-    round alike."""
+    squares of the slice each sent (`assemble` makes the norms from them); reduced straight into
+    the part (its meta's room reserved before the sums are known). A piece that does not decode or
+    was cut for other members gives a slice that says so: every member then rejects the round alike."""
     order = list(order)
+    held: dict[str, memoryview] = {}
+
+    def into(numel: int) -> torch.Tensor:
+        reserve = len(json.dumps({"metas": metas, "squares": dict.fromkeys(order, 0.0), "weight": 0.0, "codec": "none", "numel": numel}))
+        head = _head({}, reserve + (_FLOAT_JSON + 1) * (len(order) + 1))
+        held["part"] = new_buffer(len(head) + 4 * numel)
+        held["head"] = memoryview(head)
+        return _frombuffer(held["part"][len(head) :], torch.float32)
+
     try:
+        metas = {}
         for peer in order:
             meta, _ = _decode_meta(pieces[peer])
             if meta.get("members") != order or meta.get("slice") != order.index(me):
                 raise PartError(f"{peer}'s slice was cut for {meta.get('members')} (slice {meta.get('slice')})")
-        out, total, metas, squares = _reduce(order, pieces)
+            metas[peer] = {k: v for k, v in meta.items() if k not in ("members", "slice", "numel_all", "numel")}
+        out, total, _, squares = _reduce(order, pieces, into)
     except PartError as e:
         return encode_part(torch.empty(0), 0.0, "none", {"error": str(e)})
-    for m in metas.values():
-        for key in ("members", "slice", "numel_all", "numel"):
-            m.pop(key, None)
-    return encode_part(out, total, "none", {"metas": metas, "squares": squares})
+    part, room = held["part"], len(held["head"])
+    head = _head({"metas": metas, "squares": squares, "weight": float(total), "codec": "none", "numel": out.numel()}, room - HEAD_BYTES)
+    if len(head) != room:  # cannot happen: the room was reserved for the longest floats
+        raise AssertionError(f"a reduced slice's meta of {len(head)} bytes in {room}")
+    part[:room] = head
+    return part
 
 
 def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memoryview]) -> tuple[list[torch.Tensor], float, dict[str, dict]]:

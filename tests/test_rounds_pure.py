@@ -18,6 +18,8 @@ from islands.protocols.parts import (
     encode_slices,
     new_buffer,
     part_bytes,
+    part_size,
+    part_span,
     reduce_parts,
     reduce_slice,
     result_digest,
@@ -562,6 +564,35 @@ def test_segments_read_end_to_end_give_views_within_one_and_copies_across():
     assert take(segments, 3, 7).data_ptr() == whole[3:].data_ptr()  # a view: not copied
     with pytest.raises(IndexError):
         take(segments, 4, 11)
+
+
+def test_an_uncompressed_slice_is_sent_from_the_values_themselves_as_the_part_it_encodes():
+    """In "none" a slice is (header and meta, a view of the values): not copied, and its bytes on
+    the wire, chunk by chunk at any chunk size, are those of the part encode_part writes."""
+    x = torch.randn(BLOCK * 5 + 9, generator=torch.Generator().manual_seed(2))
+    names = ["a", "b", "c"]
+    cut = encode_slices(x, 2.5, "none", {"round": 4}, names)
+    for i, m in enumerate(names):
+        a, b = slice_bounds(x.numel(), 3)[i]
+        whole = bytes(encode_part(x[a:b], 2.5, "none", {"round": 4, "members": names, "numel_all": x.numel(), "slice": i}))
+        head, body = cut[m]
+        assert part_size(cut[m]) == len(whole) and torch.frombuffer(body, dtype=torch.float32).data_ptr() == x[a:].data_ptr()
+        for chunk in (1, 7, len(head), len(head) + 1, 4096, len(whole)):
+            assert b"".join(bytes(part_span(cut[m], o, chunk)) for o in range(0, len(whole), chunk)) == whole
+        assert decode_part(whole)[0] == decode_part(bytes(head) + bytes(body))[0]
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e18, float("inf")])
+def test_a_reduced_slice_has_room_for_its_sums_however_long_they_print(scale):
+    """A slice is reduced into its part before the sums of squares in its meta are known: their
+    room is reserved for the longest float, tiny, huge or not finite."""
+    names = ["a", "b"]
+    values = {n: torch.full((BLOCK * 2,), scale * (1 + k) / 3) for k, n in enumerate(names)}
+    cut = {n: encode_slices(values[n], 1.0 / 3, "none", {"fp": "x" * 40}, names) for n in names}
+    reduced = {m: reduce_slice(names, m, {n: cut[n][m] for n in names}) for m in names}
+    meta, mean = decode_part(reduced["a"])
+    assert "error" not in meta and meta["metas"]["b"]["fp"] == "x" * 40 and meta["numel"] == BLOCK
+    assert torch.equal(mean, (values["a"][:BLOCK] * 0.5 + values["b"][:BLOCK] * 0.5)) or not math.isfinite(scale)
 
 
 def test_a_slice_cut_for_other_members_makes_every_member_reject_the_round():

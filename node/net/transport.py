@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from islands.protocols import rounds as sm
 from islands.protocols import wire
 from islands.protocols.admission import derive
-from islands.protocols.parts import new_buffer, reduce_slice
+from islands.protocols.parts import Part, new_buffer, part_size, part_span, reduce_slice
 from islands.protocols.records import P2P_ADDRESS
 
 from .signing import peer_id_of
@@ -451,7 +451,7 @@ class DataPlane:
 
     # --- sending -------------------------------------------------------------------------------
 
-    async def _send(self, conn: Conn, frame: wire.Frame, payload: memoryview) -> None:
+    async def _send(self, conn: Conn, frame: wire.Frame, payload: memoryview | bytes) -> None:
         loop = asyncio.get_running_loop()
         header = wire.encode_header(frame)
         async with conn.sending:
@@ -472,17 +472,17 @@ class DataPlane:
         self._round_bytes.setdefault((frame.fragment, frame.round), [0, 0])[0] += len(header) + len(out)
 
     async def send_part(
-        self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: memoryview,
+        self, peer: str, address: tuple[str, int], fragment: int, round_: int, attempt: int, part: Part,
         kind: wire.Kind = wire.Kind.PART,
     ) -> None:
         conns = await self._conns(peer, address)
-        spans = wire.chunk_spans(len(part), self.chunk_bytes)
+        spans = wire.chunk_spans(part_size(part), self.chunk_bytes)
 
         async def lane(conn: Conn, chunk_ids: list[int]) -> None:
             for i in chunk_ids:
                 offset, length = spans[i]
                 frame = wire.Frame(kind, fragment, round_, attempt, i, len(spans), length, self.sid)
-                await self._send(conn, frame, part[offset : offset + length])
+                await self._send(conn, frame, part_span(part, offset, length))
 
         await asyncio.gather(*(lane(c, ids) for c, ids in zip(conns, wire.stripe(len(spans), len(conns)), strict=True)))
 
@@ -511,7 +511,7 @@ class DataPlane:
 
     async def run_round(
         self, fragment: int, round_: int, members: Mapping[str, tuple[str, int]], part: bytes | bytearray | memoryview | None,
-        attempt_s: float, max_attempts: int = 3, cut: Callable[[tuple[str, ...]], dict[str, memoryview]] | None = None,
+        attempt_s: float, max_attempts: int = 3, cut: Callable[[tuple[str, ...]], dict[str, Part]] | None = None,
         left: Callable[[], set[str]] | None = None,
     ) -> tuple[sm.Commit | sm.Fail, dict[str, memoryview]]:
         """Take part in round (fragment, round_) with these members (peer -> address; this island
