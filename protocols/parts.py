@@ -401,7 +401,8 @@ def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memo
     member) with `value_norm` summed over the slices. PartError if a slice says a piece was bad, or
     the slices do not fit together; SliceSpoiled if a slice is longer than the weighted mean of its
     members' slices' lengths allows (what a slice's owner can still do undetected is move it within
-    that bound)."""
+    that bound). Each meta also has `slice_norms`: the norm of the member's slice of each reduced
+    slice, as that slice's reducer measured it."""
     decoded = [(peer, *_decode_meta(slices[peer])) for peer in order]
     for peer, meta, _ in decoded:
         if "error" in meta:
@@ -419,7 +420,10 @@ def assemble(order: Sequence[str], slices: Mapping[str, bytes | bytearray | memo
         if math.isfinite(bound) and not length <= bound * (1 + 1e-5) + 1e-30:  # a non-finite piece: its sender's norm says so
             raise SliceSpoiled(owner, f"{owner}'s reduced slice is {length:.4g} long, its members' slices allow {bound:.4g}")
     metas = {
-        peer: {**first["metas"][peer], "value_norm": math.sqrt(sum(float(m["squares"][peer]) for _, m, _ in decoded))}
+        peer: {
+            **first["metas"][peer], "value_norm": math.sqrt(sum(float(m["squares"][peer]) for _, m, _ in decoded)),
+            "slice_norms": [math.sqrt(float(m["squares"][peer])) for _, m, _ in decoded],
+        }
         for peer in order
     }
     return segments, float(first["weight"]), metas

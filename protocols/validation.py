@@ -245,6 +245,21 @@ def member_report_bad(meta: object, reference: float, ratio: float = NORM_RATIO)
 
 BAN_AFTER = 3
 """Rejected rounds blamed on one peer (without an accepted round with it in between) before it is banned."""
+FLAGRANT_RATIO = 100.0
+"""A member whose own part is not finite or this many times the reference norm is banned at its
+first rejected round: no honest update is that far off (honest members' norms stay within a few
+times one another's: NORM_RATIO), so waiting for BAN_AFTER rounds only lets it spoil more (the
+chaos soak: a poisoner spoiled a round of each of three fragments before its ban)."""
+
+
+def member_flagrant(meta: object, reference: float) -> bool:
+    """Whether a member's part (its `norm` and `weight`, as member_report_bad reads them) is so far
+    off that one rejected round is proof enough: not finite, or FLAGRANT_RATIO times the reference —
+    both as reported and as this island `measured` it itself (a reduce-scatter's other reducers
+    report the rest of a member's norm, and one of them could frame it); no measure: not flagrant."""
+    if not isinstance(meta, Mapping) or meta.get("measured") is None:
+        return False
+    return member_report_bad(meta, reference, FLAGRANT_RATIO) and member_report_bad({**meta, "norm": meta["measured"]}, reference, FLAGRANT_RATIO)
 BAN_S = 600.0
 TRUST_S = 300.0
 """A peer with which this island had an accepted round this recently is not blamed for a bad round
@@ -264,14 +279,16 @@ class Reputation:
             self.strikes.pop(p, None)
             self.good_at[p] = now
 
-    def blame(self, reported_bad: Iterable[str], others: Iterable[str], now: float) -> list[str]:
+    def blame(self, reported_bad: Iterable[str], others: Iterable[str], now: float, flagrant: Iterable[str] = ()) -> list[str]:
         """A rejected round: strike the members whose reports show them bad, or, if none does, the
-        other members not trusted lately. Returns the peers banned by this call."""
+        other members not trusted lately; `flagrant` ones (member_flagrant) are banned at once.
+        Returns the peers banned by this call."""
         suspects = list(reported_bad) or [p for p in others if now - self.good_at.get(p, -math.inf) > TRUST_S]
+        flagrant = set(flagrant)
         newly = []
-        for p in suspects:
+        for p in dict.fromkeys([*suspects, *sorted(flagrant)]):
             self.strikes[p] = self.strikes.get(p, 0) + 1
-            if self.strikes[p] >= BAN_AFTER and not self.is_banned(p, now):
+            if (self.strikes[p] >= BAN_AFTER or p in flagrant) and not self.is_banned(p, now):
                 self.banned_until[p] = now + BAN_S
                 self.strikes[p] = 0
                 newly.append(p)

@@ -10,6 +10,7 @@ from islands.node.net.transport import DataPlane, Identity
 from islands.node.timeouts import Timeouts
 from islands.protocols.diloco import Contribution
 from islands.protocols.parts import part_bytes
+from islands.protocols.validation import BAN_AFTER
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 
@@ -89,26 +90,30 @@ def test_a_member_that_is_gone_is_left_out_and_the_others_still_average():
     assert torch.equal(results[0].delta["w"], results[1].delta["w"])
 
 
-@pytest.mark.parametrize(("islands", "compression"), [(3, "int8"), (3, "none"), (4, "none")])
-def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned(islands, compression):
-    """In a reduce-scatter (fp32) each member's norm is summed from the slices' owners."""
+@pytest.mark.parametrize(("islands", "compression", "scale"), [(3, "int8", 1e4), (3, "none", 1e4), (4, "none", 1e4), (3, "none", 20.0)])
+def test_a_poisoned_part_is_rejected_everywhere_and_its_sender_banned(islands, compression, scale):
+    """In a reduce-scatter (fp32) each member's norm is summed from the slices' owners. A part
+    flagrantly off (validation.FLAGRANT_RATIO) has its sender banned at the first rejected round;
+    one merely out of bounds takes BAN_AFTER rounds."""
     async def main():
         planes, rounds = await _islands(islands, compression)
         try:
-            outcomes = []
+            outcomes, banned = [], []
             for r in range(1, 5):
-                cs = [_contribution(k, round_=r, scale=1e4 if k == 2 else 1.0) for k in range(islands)]
+                cs = [_contribution(k, round_=r, scale=scale if k == 2 else 1.0) for k in range(islands)]
                 got = await asyncio.gather(*(x.average(c) for x, c in zip(rounds, cs, strict=True)))
                 outcomes.append([g.outcome for g in got])
-            return planes, rounds, outcomes, cs, got
+                banned.append([list(x.banned_events) for x in rounds[:2]])
+            return planes, rounds, outcomes, banned, cs, got
         finally:
             await _close(planes)
 
-    planes, rounds, outcomes, cs, got = asyncio.run(main())
+    planes, rounds, outcomes, banned, cs, got = asyncio.run(main())
     poisoner = planes[2].me.peer_id
     assert outcomes[0][:2] == ["rejected", "rejected"]
-    assert all(torch.equal(g.delta["w"], c.delta["w"]) for g, c in zip(got[:2], cs[:2], strict=True))  # own update kept
     assert rounds[0].banned_events == [poisoner] and rounds[1].banned_events == [poisoner]
+    first = 0 if scale >= 1e4 else BAN_AFTER - 1
+    assert [b == [[poisoner]] * 2 for b in banned] == [r >= first for r in range(4)]
 
 
 @pytest.mark.parametrize(("islands", "compression"), [(2, "none"), (3, "none"), (3, "int4")])

@@ -22,6 +22,7 @@ from islands.protocols.admission import (
     write_swarm_key,
 )
 from islands.protocols.validation import (
+    FLAGRANT_RATIO,
     NORM_RATIO,
     NormHistory,
     Reputation,
@@ -29,6 +30,7 @@ from islands.protocols.validation import (
     check_deposit,
     check_update,
     consensus_bound,
+    member_flagrant,
     round_verdict,
     spoiled_spans,
 )
@@ -237,6 +239,23 @@ def test_a_spoiled_part_is_blamed_on_its_reducer():
     assert spoiled_spans(averaged, own, spans, float(own.norm())) == ["QmB", "QmC"]
     # spans from nowhere are ignored, not a crash
     assert spoiled_spans(averaged, own, {"QmD": [[-5, 10**9]], "QmE": "x", "QmF": [["a", 1]]}, 1.0) == []
+
+
+def test_a_member_whose_own_part_is_flagrantly_off_is_banned_at_its_first_rejected_round():
+    """Not finite, or FLAGRANT_RATIO times the reference, as reported and as measured here: banned at
+    once; a framed member (huge as others report it, not as measured here) or one merely over
+    NORM_RATIO takes BAN_AFTER rounds, as before."""
+    ref = 2.0
+    huge = {"norm": 1e6, "weight": 1.0, "measured": 1e6}
+    assert member_flagrant(huge, ref) and member_flagrant({**huge, "norm": math.nan, "measured": math.nan}, ref)
+    assert not member_flagrant({**huge, "measured": 3.0}, ref)  # framed by another reducer's report
+    assert not member_flagrant({**huge, "measured": None}, ref) and not member_flagrant("x", ref)
+    over = NORM_RATIO * ref * 1.5
+    assert not member_flagrant({"norm": over, "weight": 1.0, "measured": over}, ref) and over < FLAGRANT_RATIO * ref
+    rep = Reputation()
+    assert rep.blame(["QmBad"], ["QmBad", "QmGood"], now=0, flagrant=["QmBad"]) == ["QmBad"]
+    assert rep.is_banned("QmBad", 1) and not rep.is_banned("QmGood", 1)
+    assert rep.blame(["QmBad"], ["QmBad"], now=2, flagrant=["QmBad"]) == []  # banned already: not again
 
 
 def test_repeat_offenders_are_banned_for_a_while_and_trusted_peers_are_not_blamed_blindly():

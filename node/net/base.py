@@ -138,9 +138,11 @@ class RoundsBase:
         self._records_read_started = time.monotonic()
         self._records_read = asyncio.ensure_future(self.refresh_peers())
 
-    def _ban(self, suspects: list[str], others: list[str]) -> None:
-        """A rejected round: blame `suspects` (else the others not trusted lately); log new bans."""
+    def _ban(self, suspects: list[str], others: list[str], flagrant: list[str] = ()) -> None:
+        """A rejected round: blame `suspects` (else the others not trusted lately), ban `flagrant`
+        ones at once (validation.member_flagrant); log new bans."""
         now = time.monotonic()
-        for peer in self.reputation.blame(suspects, others, now):
-            logger.warning("banning peer %s for %.0f s: its rounds were rejected repeatedly", peer, self.reputation.banned_until[peer] - now)
+        for peer in self.reputation.blame(suspects, others, now, flagrant):
+            why = "its part was far out of bounds" if peer in flagrant else "its rounds were rejected repeatedly"
+            logger.warning("banning peer %s for %.0f s: %s", peer, self.reputation.banned_until[peer] - now, why)
             self.banned_events.append(peer)

@@ -47,6 +47,7 @@ from islands.protocols.validation import (
     check_consensus,
     consensus_bound,
     flatten,
+    member_flagrant,
     member_report_bad,
     round_verdict,
     tensors_norm,
@@ -184,6 +185,15 @@ class DirectRounds(RoundsBase):
         segments = mean if isinstance(mean, list) else [mean]
         if sum(x.numel() for x in segments) != values.numel():
             raise PartError(f"the round's result has {sum(x.numel() for x in segments)} values, this island's part {values.numel()}")
+        # each member's norm as this island measured it: the whole part where it came whole, else
+        # its slice of this island's reduced slice, scaled to the whole (what no other reducer can forge)
+        mine = outcome.members.index(self.me)
+        for m in metas.values():
+            norms = m.pop("slice_norms", None)
+            if norms is None:
+                m["measured_norm"] = m["value_norm"]
+            elif segments[mine].numel():
+                m["measured_norm"] = norms[mine] * math.sqrt(values.numel() / segments[mine].numel())
         return outcome, segments, total, metas, sent, recv
 
     def _split(self, fragment: int, segments: list[torch.Tensor], like: dict[str, torch.Tensor], at: int = 0) -> dict[str, torch.Tensor]:
@@ -255,7 +265,7 @@ class DirectRounds(RoundsBase):
         """(why the round's result must not be applied or None, the result's norm): every
         member's check (validation.round_verdict), the same verdict on every member. Blames the
         members whose own part is out of bounds, else those whose check alone rejected a result
-        this island's own check accepts; bans repeat offenders."""
+        this island's own check accepts; bans repeat offenders, and flagrant ones at once."""
         history = self.history[c.fragment]
         others = [p for p in metas if p != self.me]
         why, norm, judges = round_verdict(delta, c.delta, {p: m.get("ref") for p, m in metas.items()})
@@ -264,10 +274,11 @@ class DirectRounds(RoundsBase):
             self.reputation.accepted(others, time.monotonic())
             return None, norm
         reference = history.reference(own_norm)
-        suspects = [p for p in others if member_report_bad({"norm": metas[p]["value_norm"], "weight": metas[p]["weight"]}, reference)]
+        reports = {p: {"norm": metas[p]["value_norm"], "weight": metas[p]["weight"], "measured": metas[p].get("measured_norm")} for p in others}
+        suspects = [p for p in others if member_report_bad(reports[p], reference)]
         if not suspects and self.me not in judges:
             suspects = [p for p in judges if p != self.me]
-        self._ban(suspects, others)
+        self._ban(suspects, others, [p for p in suspects if member_flagrant(reports[p], reference)])
         return why, norm
 
     async def consensus(
