@@ -104,7 +104,8 @@ class FragmentSync:
         can_round: Callable[[], bool] | None = None,
     ):
         """`can_round` (satellites): whether the contact window allows a round now; a round that
-        cannot start is logged `skipped_no_contact` and the satellite keeps accumulating."""
+        cannot start is logged `skipped_no_contact` and the satellite keeps accumulating; one that
+        can deposits the fragment most overdue (`_most_overdue`)."""
         self.diloco = diloco
         self.averager = averager
         self.params = params
@@ -136,14 +137,26 @@ class FragmentSync:
             logger.warning("fragment %d: round still pending at step %d, skipping", fragment, step)
             return
         round_ = self.schedule.round_of(step)
-        if self.can_round is not None and not self.can_round():
-            self._skipped_no_contact(fragment, round_, step)
-            return
+        if self.can_round is not None:
+            if not self.can_round():
+                self._skipped_no_contact(fragment, round_, step)
+                return
+            fragment = self._most_overdue(fragment)
         c = await self._run_torch(self.diloco.contribution, fragment, round_, step, self.params)
         if not self.diloco.satellite:  # what satellites deposited with this island counts in its round
             c = await self._run_torch(self.averager.fold_deposits, c)
         task = asyncio.ensure_future(self.averager.average(c))
         self.pending[fragment] = Pending(c, self.schedule.applied_at(step), task, self._clock())
+
+    def _most_overdue(self, fragment: int) -> int:
+        """A satellite in contact at `fragment`'s turn deposits the fragment with the most tokens
+        not yet deposited (`fragment` itself on a tie). Its contact windows and the fragments'
+        turns keep a period of their own, and at the slot's fragment alone one fragment could fall
+        outside every window for good (the chaos soak: one fragment undeposited for 385 steps,
+        its tokens lost at the end of the run)."""
+        counters = self.diloco.counters
+        free = [p for p in range(len(counters)) if p not in self.pending]
+        return max(free, key=lambda p: (counters[p].tokens_since_sync, p == fragment), default=fragment)
 
     def _skipped_no_contact(self, fragment: int, round_: int, step: int) -> None:
         d = self.diloco

@@ -148,7 +148,7 @@ def _expect(steps: int, **until: int) -> list[tuple[int, int, str]]:
 async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it():
     """A satellite in contact 10 s of every 30 s (the clock runs 1.5 s a step of the three):
     out of contact its rounds are skipped and it keeps accumulating; in contact it leaves its
-    progress with an island, whose next round of that fragment folds it in; the islands' rounds
+    progress (of the fragment most overdue) with an island, whose next round of that fragment folds it in; the islands' rounds
     are pairs throughout, and the satellite takes no part in the end-of-run agreement."""
     board, hub = Board(Clock()), Hub()
     a, b = (ToyIsland(n, board, hub, config(steps=120), t) for n, t in (("a", 1.0), ("b", -1.0)))
@@ -165,6 +165,11 @@ async def test_a_satellite_deposits_in_contact_and_the_islands_never_wait_for_it
     theirs = sat.events.of("sync")
     assert {(e["outcome"], e["policy"]) for e in theirs} == {("skipped_no_contact", "accumulate"), ("ok", "deposited")}
     deposited = [e for e in theirs if e["outcome"] == "ok"]
+    # its windows (every 20 steps) meet only one fragment's turn (every 10): at each turn in contact
+    # it deposits the fragment most overdue, so the two take turns (at the slot's own fragment
+    # alone, fragment 1 went undeposited from step 45 to the end, its tokens lost)
+    assert [e["fragment"] for e in deposited] == [1, 0, 1, 0, 1]
+    assert max(c.tokens_since_sync for c in sat.core.diloco.counters) < 2 * max(e["tokens"] for e in deposited)
     # every deposit reached a round of the island it was left with (the first by peer id here)
     assert sum(e["deposits"] for e in a.events.of("sync")) == len(deposited) >= 4
     assert sum(e["deposits"] for e in b.events.of("sync")) == 0
