@@ -6,8 +6,10 @@ while a seeded schedule injects faults of every kind; the figures a site operato
 Real `islands-node` processes on 127.0.0.1 (the test suite's launcher, tests/procs.py), with a
 swarm key, each behind a `lan` relay for its DHT and one for its rounds. The schedule (seeded)
 injects a fault every `60 / --faults-per-minute` seconds on average, at most one at a time on
-any one island and at most one island impaired (down, frozen, cut off or short of disk) at a
-time, of these kinds:
+any one island and at most one island impaired (down, frozen, cut off, or restarted less than
+`RECOVER_S` ago) at a time; a fault due while the kind drawn must wait for that is one of the
+kinds that impair no island (FILLERS: a wrong key, a poisoner, a full disk — an island short of
+disk still takes part in rounds). The kinds:
 
 - kill: SIGKILL of an island's process group (its rounds in flight), restarted from the same
   run dir 3-10 s later;
@@ -35,7 +37,8 @@ ghost processes after the run (0); corrupt or unloadable checkpoints at the end 
 islands' agreement at the end (max |difference| of `global.safetensors`); rounds lost per fault
 (rounds of the islands the fault did not touch that were not `ok` until its recovery); time
 from each fault's end to the next round committed by every running island (median, p95);
-goodput (tokens in committed rounds over tokens trained).
+goodput (tokens in committed rounds over tokens trained by the islands and the satellite; a
+poisoner's or a stranger's are not counted).
 """
 
 from __future__ import annotations
@@ -59,8 +62,15 @@ from tests.procs import NodeProcess, Nodes
 from .common import parse, table, write
 
 KINDS = ("kill", "freeze", "partition", "leave", "join", "wrong_key", "poison", "disk_full", "truncated_checkpoint")
-IMPAIRING = {"kill", "freeze", "partition", "leave", "disk_full", "truncated_checkpoint"}
+IMPAIRING = {"kill", "freeze", "partition", "leave", "truncated_checkpoint"}
 """Kinds that take an island out of the rounds for a while: at most one at a time."""
+RECOVER_S = 20.0
+"""An island (re)started this recently is still on its way back into the rounds (imports, DHT, state
+download): no fault targets it, and it counts as impaired (a kill of another island then would
+leave one alone in the rounds)."""
+FILLERS = ("wrong_key", "poison", "disk_full")
+"""Kinds that take no island out of the rounds (an island with a full disk still takes part): one of
+them goes when a fault is due and the kind drawn must wait for an impaired island to come back."""
 HANG_S = 90.0
 """A running island with no step for this long hangs: the longest wait its bounds allow is a
 round's (--match-wait-s 3 + 15 s of transfer, 3 attempts) or a state download's (60 s)."""
@@ -232,16 +242,21 @@ class Soak:
         return next((f for f in reversed(self.faults) if f.kind == kind and f.target == target and f.end is None), None)
 
     def impaired(self) -> list[str]:
-        return [n for n, i in self.islands.items() if i.role == "island" and i.state not in ("up", "left")]
+        """Islands out of the rounds: down, frozen, cut off, or (re)started less than RECOVER_S ago."""
+        now = time.time()
+        return [
+            n for n, i in self.islands.items()
+            if i.role == "island" and (i.state not in ("up", "left", "full") or (i.state == "up" and now - i.started < RECOVER_S))
+        ]
 
     def up_islands(self) -> list[Island]:
         return [i for i in self.islands.values() if i.role == "island" and i.state == "up"]
 
     def inject(self) -> bool:
-        """Inject the next fault of the schedule, if it can be now: kinds are drawn evenly; one
-        that cannot be now (an island is impaired already) waits for its turn, and one that makes
-        no sense in this swarm (a join to three islands, a leave from two) is drawn again. Whether
-        a fault was injected."""
+        """Inject the next fault of the schedule, if one can be now: kinds are drawn evenly; one
+        that cannot be now (an island is impaired already) waits for its turn while one of the
+        FILLERS that can goes instead, and one that makes no sense in this swarm (a join to three
+        islands, a leave from two) is drawn again. Whether a fault was injected."""
         live = [i for i in self.islands.values() if i.role == "island" and i.state != "left"]
         while self.pending is None:
             kind = self.rng.choice(KINDS)
@@ -252,16 +267,25 @@ class Soak:
             if kind == "disk_full" and not any(i.tmpfs is not None for i in live):
                 continue
             self.pending = kind
-        kind = self.pending
-        up = [i for i in self.up_islands() if time.time() - i.started > 20]
-        if kind in IMPAIRING and (self.impaired() or len(up) < 2):
-            return False
-        if kind == "disk_full" and not any(i.tmpfs is not None for i in up):
-            return False
-        if kind == "poison" and any(n.proc.poll() is None for n in self.others if "tests.hostile" in n.command):
-            return False
-        self.pending = None
+        up = [i for i in self.up_islands() if time.time() - i.started > RECOVER_S]
+        if self._can(self.pending, up):
+            kind, self.pending = self.pending, None
+        else:
+            now = [k for k in FILLERS if self._can(k, up)]
+            if not now:
+                return False
+            kind = self.rng.choice(now)
         getattr(self, f"_{kind}")(up)
+        return True
+
+    def _can(self, kind: str, up: list[Island]) -> bool:
+        """Whether a fault of this kind can be injected now, with these islands up."""
+        if kind in IMPAIRING:
+            return not self.impaired() and len(up) >= 2
+        if kind == "disk_full":
+            return any(i.tmpfs is not None for i in up) and not any(i.state == "full" for i in self.islands.values())
+        if kind == "poison":
+            return not any(n.proc.poll() is None for n in self.others if "tests.hostile" in n.command)
         return True
 
     def _kill(self, up: list[Island], truncate: bool = False) -> None:
