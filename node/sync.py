@@ -309,7 +309,10 @@ class FragmentSync:
         """At the end of a run: one last round of every fragment, with the progress since its last
         round (up to a window of it, which the agreed model would otherwise lack), keyed by the
         fragment's next round number, which no training round of this run uses; its result is
-        applied without an outer step (StreamingDiLoCo.apply_last). The islands have waited for one
+        applied without an outer step (StreamingDiLoCo.apply_last). Its number comes from the
+        schedule (Schedule.last_round), not from this island's own count: an island whose fragment is
+        a round behind (it took the swarm's state while that fragment's round was in flight) meets the
+        others in the same round, stale, instead of in one of its own. The islands have waited for one
         another to finish (Network.wait_for_end), so these rounds wait long for every live island
         (Timeouts.last_round_match_s) and start as soon as all are in.
 
@@ -327,7 +330,7 @@ class FragmentSync:
         for p in range(d.cfg.fragments):
             # it starts after the last step (a round that started at `step` is over): the others'
             # records of their last rounds must not make it look already applied (FragmentAveraging.average)
-            c = await self._run_torch(d.contribution, p, d.counters[p].round + 1, step + 1, self.params)
+            c = await self._run_torch(d.contribution, p, self.schedule.last_round(p, step) + 1, step + 1, self.params)
             contributions.append(await self._run_torch(self.averager.fold_deposits, c))
         results = await asyncio.gather(
             *(asyncio.wait_for(self.averager.average(c, wait_s=wait_s), timeout=self.round_timeout_s) for c in contributions),

@@ -89,6 +89,11 @@ class Schedule:
         """The round number of a round that starts at `step`."""
         return round_number(step, self.window)
 
+    def last_round(self, fragment: int, step: int) -> int:
+        """The round of `fragment`'s last start at or before `step` (0: none yet): what an island
+        that missed none of them holds, the same on every island that ends at `step`."""
+        return max(0, (step - self.offset(fragment)) // self.window)
+
     def applied_at(self, start: int) -> int:
         """The step after which a round that started at `start` is applied."""
         return start + self.overlap

@@ -78,6 +78,28 @@ async def test_a_split_last_round_is_healed_by_the_end_of_run_agreement():
     assert _same(a, b)
 
 
+async def test_an_island_a_round_behind_in_a_fragment_at_the_end_still_ends_with_the_others_model():
+    """B took the swarm's state right before the end while fragment 1's round was in flight at its
+    donor (a rejoin, the chaos smoke run): its fragment 1 is a round behind. The end-of-run round is
+    numbered by the schedule, so B meets A in it (stale) rather than in a round of its own, and
+    the consensus round after it makes them one model."""
+    board, hub, (a, b) = _swarm(1.0, -1.0, steps=40)
+    for island in (a, b):
+        await island.join()
+    await asyncio.gather(a.run(40), b.run(40))
+    d = b.core.diloco
+    d.counters[1].round -= 1
+    for value in d.globals[1].values():
+        value.add_(0.01)  # the values of the round before
+    await asyncio.gather(a.leave(), b.leave())
+    last = a.core.schedule.last_round(1, 40) + 1
+    assert [e["last_rounds"] for e in (a.events.of("agree")[0], b.events.of("agree")[0])] == [["ok", "ok"]] * 2
+    assert ("consensus", 1, last + 1, "b", True) in hub.log
+    for island in (a, b):
+        assert island.events.of("agree")[0]["fragments"] == ["ok", "ok"]
+    assert _same(a, b)
+
+
 async def test_a_split_round_in_training_is_healed_by_the_next_round_of_its_fragment():
     """A round of fragment 1 splits mid-run: the next round of that fragment sees different
     fingerprints and runs a consensus round; from then on the islands agree."""

@@ -369,6 +369,10 @@ def test_the_schedule_says_what_happens_at_each_step():
     assert [t for t in range(1, 61) if s.ends_window(t)] == [20, 40, 60]
     for t in range(1, 200):  # a fragment starts at t exactly when t is its next start seen from t - 1
         assert s.starting(t) == [p for p in range(4) if s.next_start(t - 1, p) == t]
+        # the last round of each fragment started by t: the round of its last start (0: none yet)
+        assert [s.last_round(p, t) for p in range(4)] == [
+            max([s.round_of(u) for u in range(1, t + 1) if p in s.starting(u)], default=0) for p in range(4)
+        ]
     with pytest.raises(ValueError, match="overlap 5 must be below"):
         Schedule(window=20, fragments=4, overlap=5)
     assert DiLoCoConfig(window=20, fragments=4).schedule == Schedule(20, 4, 4)

@@ -179,8 +179,9 @@ def test_at_the_end_a_fragment_that_one_island_got_wrong_is_healed_by_all_of_the
     sync = FragmentSync(diloco, averager, params, lambda record: None, Timeouts(match_wait_s=3.0), run_torch)
     last_rounds, verdicts, sent = asyncio.run(sync.agree(40, compare))
     assert last_rounds == ["ok", "ok"] and verdicts == ["ok", "ok"] and looks == [1, 2]
-    # fragment 1 only, in a consensus round of its own (after its last round, 1), waiting as long as the last rounds
-    assert averager.healed == [(1, 2, 12.0)] and sent == 100
+    # fragment 1 only, in a consensus round of its own (after its last round: 5, the schedule's
+    # round after fragment 1's last start by step 40, 36), waiting as long as the last rounds
+    assert averager.healed == [(1, 6, 12.0)] and sent == 100
     # still different after every look: `failed`, and no more than END_LOOKS looks
     averager.healed.clear()
     looks.clear()
