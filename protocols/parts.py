@@ -367,13 +367,13 @@ def reduce_slice(order: Sequence[str], me: str, pieces: Mapping[str, bytes | byt
     the part (its meta's room reserved before the sums are known). A piece that does not decode or
     was cut for other members gives a slice that says so: every member then rejects the round alike."""
     order = list(order)
-    held: dict[str, memoryview] = {}
+    held: dict = {}
+    """The part reduced into, and the room its header and meta have."""
 
     def into(numel: int) -> torch.Tensor:
         reserve = len(json.dumps({"metas": metas, "squares": dict.fromkeys(order, 0.0), "weight": 0.0, "codec": "none", "numel": numel}))
         head = _head({}, reserve + (_FLOAT_JSON + 1) * (len(order) + 1))
-        held["part"] = new_buffer(len(head) + 4 * numel)
-        held["head"] = memoryview(head)
+        held["part"], held["room"] = new_buffer(len(head) + 4 * numel), len(head)
         return _frombuffer(held["part"][len(head) :], torch.float32)
 
     try:
@@ -386,7 +386,7 @@ def reduce_slice(order: Sequence[str], me: str, pieces: Mapping[str, bytes | byt
         out, total, _, squares = _reduce(order, pieces, into)
     except PartError as e:
         return encode_part(torch.empty(0), 0.0, "none", {"error": str(e)})
-    part, room = held["part"], len(held["head"])
+    part, room = held["part"], held["room"]
     head = _head({"metas": metas, "squares": squares, "weight": float(total), "codec": "none", "numel": out.numel()}, room - HEAD_BYTES)
     if len(head) != room:  # cannot happen: the room was reserved for the longest floats
         raise AssertionError(f"a reduced slice's meta of {len(head)} bytes in {room}")
